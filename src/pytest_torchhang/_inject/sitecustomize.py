@@ -1,0 +1,35 @@
+"""Injected into guarded tests' child interpreters through PYTHONPATH; chains to the real one.
+
+It installs pytest-torchhang's stack-dump handler, then removes its own folder from ``sys.path``
+and imports the ``sitecustomize`` it shadows (a distribution's or the user's), so nothing else
+changes for the child.
+"""
+
+import importlib.util as _ilu
+import os as _os
+import sys as _sys
+
+
+def _torchhang_bootstrap() -> None:
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    try:
+        spec = _ilu.spec_from_file_location(
+            "_pytest_torchhang_hook", _os.path.join(_os.path.dirname(here), "_hook.py")
+        )
+        if spec is not None and spec.loader is not None:
+            hook = _ilu.module_from_spec(spec)
+            _sys.modules["_pytest_torchhang_hook"] = hook
+            spec.loader.exec_module(hook)
+            hook.install()
+    except Exception:  # never break the child's start-up
+        pass
+    _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != here]
+    me = _sys.modules.pop("sitecustomize", None)
+    try:
+        import sitecustomize  # noqa: F401 - the one we shadowed, if any
+    except ImportError:
+        if me is not None:  # site.py expects a module under this name once we return
+            _sys.modules["sitecustomize"] = me
+
+
+_torchhang_bootstrap()

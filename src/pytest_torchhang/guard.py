@@ -1,0 +1,152 @@
+"""One hang, one pipeline: snapshot -> capture -> diagnose -> report -> kill.
+
+Used in the pytest process by the watchdog, by the monitor process when the pytest process itself
+cannot move, and by the subprocess runner for its children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from . import diagnose
+from .proctree import KillResult, ProcessId, cleanup_shm, descendants, helper_kind, kill_tree
+from .report import HangReport, ProcessReport
+from .stacks import Dump, in_process_threads, request_dumps, trim_pytest_frames
+
+#: Environment variables read from each process (roles of ranks).
+_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
+
+
+@dataclass
+class GuardTarget:
+    """What one guard watches: the tree under ``root_pid``, minus the guard's own processes."""
+
+    test_id: str
+    timeout_s: float
+    root_pid: int
+    dump_dir: str | None
+    started: float = field(default_factory=time.monotonic)
+    exclude: set[int] = field(default_factory=set)
+    shm_baseline: set[str] = field(default_factory=set)
+    root_in_process: bool = True  # the root is this very process: read its stacks directly
+    kill_root: bool = False
+    root_role: str = "pytest"
+    phase: str = "call"
+    capture_budget_s: float = 2.0
+
+
+def _cpu(proc: psutil.Process) -> float:
+    try:
+        times = proc.cpu_times()
+        return float(times.user + times.system)
+    except psutil.Error:
+        return 0.0
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        env = proc.environ()
+    except (psutil.Error, OSError):
+        return {}
+    return {k: env[k] for k in _ENV_KEYS if k in env}
+
+
+def _facts(proc: psutil.Process, now: float, dump: Dump, cpu_before: float) -> ProcessReport:
+    with proc.oneshot():
+        try:
+            cmdline = proc.cmdline()
+            name = proc.name()
+            state = proc.status()
+            rss = proc.memory_info().rss
+            threads = proc.num_threads()
+            age = now - proc.create_time()
+            ppid = proc.ppid()
+        except psutil.Error:
+            cmdline, name, state, rss, threads, age, ppid = [], "?", "gone", 0, 0, 0.0, 0
+    cpu = _cpu(proc)
+    if dump.was_stopped:
+        state = "stopped (SIGSTOP)"
+    return ProcessReport(
+        pid=proc.pid,
+        ppid=ppid,
+        role=helper_kind(cmdline, name) or "",
+        cmdline=" ".join(cmdline) or name,
+        state=state,
+        cpu_s=cpu,
+        cpu_delta_s=max(cpu - cpu_before, 0.0),
+        rss_bytes=rss,
+        num_threads=threads,
+        age_s=age,
+        dump_status=dump.status,
+        threads=dump.threads,
+    )
+
+
+def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangReport:
+    """Snapshot the tree and take every process's stacks; kills nothing."""
+    t0 = time.monotonic()
+    procs = descendants(target.root_pid, target.exclude)
+    with contextlib.suppress(psutil.Error):
+        procs.insert(0, psutil.Process(target.root_pid))
+    cpu_before = {p.pid: _cpu(p) for p in procs}
+    idents: list[ProcessId] = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.pid != target.root_pid or not target.root_in_process:
+                idents.append(ProcessId(proc.pid, proc.create_time()))
+    dumps = request_dumps(idents, target.dump_dir, target.capture_budget_s)
+    if target.root_in_process:
+        dumps[target.root_pid] = Dump("ok", in_process_threads(skip_threads))
+    for dump in dumps.values():
+        for thread in dump.threads:
+            trim_pytest_frames(thread)
+    time.sleep(max(0.0, 0.1 - (time.monotonic() - t0)))  # a CPU sample needs a little time
+    now = time.time()
+    reports = [
+        _facts(p, now, dumps.get(p.pid, Dump("gone before its stack could be taken")), cpu_before.get(p.pid, 0.0))
+        for p in procs
+    ]
+    env = {p.pid: _environ(p) for p in procs if p.pid != target.root_pid}
+    diagnose.label_roles(reports, target.root_pid, env, target.root_role)
+    elapsed = time.monotonic() - target.started
+    report = HangReport(
+        test_id=target.test_id,
+        timeout_s=target.timeout_s,
+        elapsed_s=elapsed,
+        phase=target.phase,
+        headline=diagnose.headline(target.test_id, elapsed, reports, target.root_pid),
+        hints=diagnose.hints(reports),
+        processes=reports,
+    )
+    report.capture_s = time.monotonic() - t0
+    return report
+
+
+def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
+    """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
+    result = kill_tree(target.root_pid, exclude=target.exclude, include_root=target.kill_root)
+    result.shm_removed = cleanup_shm(target.shm_baseline, [p.pid for p in result.killed])
+    if report is not None:
+        report.killed = [p.pid for p in result.killed]
+        report.spared = [p.pid for p in result.spared]
+        report.survivors = [p.pid for p in result.survivors]
+        report.shm_removed = result.shm_removed
+    return result
+
+
+def tree_alive(root_pid: int, exclude: set[int]) -> list[int]:
+    """Live (non-zombie) descendants, for checks that a tree is gone."""
+    out = []
+    for proc in descendants(root_pid, exclude):
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc.pid)
+    return out
+
+

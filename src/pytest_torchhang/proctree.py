@@ -1,0 +1,334 @@
+"""The test's process tree: discovery, subreaper, identity-checked freeze-and-kill, reaping, shm."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+SHM_DIR = "/dev/shm"
+# Segment names the multiprocess stack creates: multiprocessing named semaphores (spawn and
+# forkserver), torch's file_system sharing strategy, multiprocessing.shared_memory.
+_SHM_PREFIXES = ("sem.mp-", "torch_", "psm_")
+_TORCH_SHM_PID = re.compile(r"^torch_(\d+)_")
+
+#: Helpers that clean up shared memory when their clients are gone, if given a moment to.
+TRACKER_GRACE_S = {"resource_tracker": 2.0, "torch_shm_manager": 4.0}
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, arg, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def become_subreaper() -> bool:
+    """Adopt orphans of this process's descendants (setsid'd daemons) so they stay in its tree."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent thread exits."""
+    return _prctl(_PR_SET_PDEATHSIG, sig)
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process as identity: a pid is only the same process while its start time matches."""
+
+    pid: int
+    create_time: float
+
+
+def helper_kind(cmdline: list[str], name: str) -> str | None:
+    """Recognise the multiprocessing and torch helper processes by their command line."""
+    joined = " ".join(cmdline)
+    if name == "torch_shm_manager" or (cmdline and cmdline[0].endswith("torch_shm_manager")):
+        return "torch_shm_manager"
+    if "multiprocessing.resource_tracker" in joined and "main(" in joined:
+        return "resource_tracker"
+    if "multiprocessing.forkserver" in joined and "main(" in joined:
+        return "forkserver"
+    return None
+
+
+def _safe_cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except (psutil.Error, OSError):
+        return []
+
+
+def _safe_name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except (psutil.Error, OSError):
+        return ""
+
+
+def _is_zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def same_process(proc: psutil.Process, ident: ProcessId) -> bool:
+    """True while ``proc`` still is the process first seen as ``ident`` (not a recycled pid)."""
+    try:
+        return proc.pid == ident.pid and proc.create_time() == ident.create_time
+    except psutil.Error:
+        return False
+
+
+def descendants(root_pid: int, exclude: Iterable[int] = ()) -> list[psutil.Process]:
+    """Every live descendant of ``root_pid``, children of excluded processes included."""
+    skip = set(exclude)
+    try:
+        children = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p for p in children if p.pid not in skip]
+
+
+def identify(procs: Iterable[psutil.Process]) -> dict[int, ProcessId]:
+    """Identities of ``procs`` that are still there, by pid."""
+    out: dict[int, ProcessId] = {}
+    for proc in procs:
+        try:
+            out[proc.pid] = ProcessId(proc.pid, proc.create_time())
+        except psutil.Error:
+            continue
+    return out
+
+
+def signal_process(ident: ProcessId, sig: int) -> bool:
+    """Send ``sig`` to ``ident`` only if that pid still belongs to that process."""
+    try:
+        proc = psutil.Process(ident.pid)
+        if not same_process(proc, ident):
+            return False
+        proc.send_signal(sig)  # psutil re-checks identity before signalling
+        return True
+    except (psutil.Error, OSError):
+        return False
+
+
+@dataclass
+class KillResult:
+    """What a kill did: whom it killed, who outlived it, what it reaped and unlinked."""
+
+    killed: list[ProcessId] = field(default_factory=list)
+    spared: list[ProcessId] = field(default_factory=list)
+    survivors: list[ProcessId] = field(default_factory=list)
+    reaped: dict[int, int] = field(default_factory=dict)  # pid -> exit status
+    shm_removed: list[str] = field(default_factory=list)
+    rounds: int = 0
+
+
+def kill_tree(
+    root_pid: int,
+    *,
+    exclude: Iterable[int] = (),
+    include_root: bool = False,
+    spare_root_helpers: bool = True,
+    budget_s: float = 5.0,
+) -> KillResult:
+    """SIGKILL every descendant of ``root_pid`` (and the root itself if ``include_root``).
+
+    Processes are frozen with SIGSTOP first and the tree is listed again until it stops growing, so
+    a process that forks during the kill cannot escape. Every signal is identity-checked. Helpers
+    that clean shared memory (resource_tracker, torch_shm_manager) born in the tree get a short
+    grace to do so; ``spare_root_helpers`` leaves the root's own multiprocessing helpers
+    (forkserver, resource_tracker: session-wide state of the root) alone. Bounded by ``budget_s``.
+    """
+    excluded = set(exclude)
+    result = KillResult()
+    deadline = time.monotonic() + budget_s
+    seen: dict[int, ProcessId] = {}
+    stopped: set[int] = set()
+    graceful: dict[int, tuple[ProcessId, float]] = {}  # pid -> (ident, give-up time)
+    spared: dict[int, ProcessId] = {}
+    stable_rounds = 0
+    while time.monotonic() < deadline:
+        result.rounds += 1
+        procs = descendants(root_pid, excluded)
+        if include_root:
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(root_pid))
+        targets: list[psutil.Process] = []
+        grew = False
+        for proc in procs:
+            if proc.pid in spared or proc.pid in graceful or _is_zombie(proc):
+                continue
+            ident = seen.get(proc.pid)
+            if ident is None:
+                idents = identify([proc])
+                if proc.pid not in idents:
+                    continue
+                ident = idents[proc.pid]
+                kind = helper_kind(_safe_cmdline(proc), _safe_name(proc))
+                try:
+                    parent = proc.ppid()
+                except psutil.Error:
+                    parent = -1
+                if kind is not None and spare_root_helpers and parent == root_pid:
+                    spared[proc.pid] = ident
+                    continue
+                if kind in TRACKER_GRACE_S and proc.pid != root_pid:
+                    graceful[proc.pid] = (ident, time.monotonic() + TRACKER_GRACE_S[kind])
+                    continue
+                seen[proc.pid] = ident
+                grew = True
+            elif not same_process(proc, ident):
+                continue
+            targets.append(proc)
+        for proc in targets:
+            if proc.pid not in stopped and signal_process(seen[proc.pid], signal.SIGSTOP):
+                stopped.add(proc.pid)
+        if grew and stable_rounds < 20:
+            stable_rounds += 1
+            continue  # list again: a process may have forked before it was frozen
+        for proc in targets:
+            if signal_process(seen[proc.pid], signal.SIGKILL):
+                if seen[proc.pid] not in result.killed:
+                    result.killed.append(seen[proc.pid])
+        now = time.monotonic()
+        for pid, (ident, give_up) in list(graceful.items()):
+            try:
+                gone = not same_process(psutil.Process(pid), ident) or _is_zombie(psutil.Process(pid))
+            except psutil.Error:
+                gone = True
+            if gone:
+                del graceful[pid]
+                result.killed.append(ident)  # it cleaned up and exited on its own
+            elif now >= give_up and signal_process(ident, signal.SIGKILL):
+                del graceful[pid]
+                result.killed.append(ident)
+        if not targets and not graceful:
+            break
+        time.sleep(0.02 if targets else 0.05)
+    result.spared = list(spared.values())
+    for pid, ident in seen.items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if same_process(proc, ident) and not _is_zombie(proc):
+                result.survivors.append(ident)
+    result.reaped = reap(result.killed)
+    return result
+
+
+def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
+    """Wait for those of ``killed`` that are this process's own children, so no zombie is left.
+
+    multiprocessing's Process objects of the reaped pids are told their exit code, so later
+    ``join()``/``is_alive()`` calls in the test (or at interpreter exit) neither block nor lie.
+    """
+    me = os.getpid()
+    pending: dict[int, ProcessId] = {}
+    for ident in killed:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(ident.pid)
+            if same_process(proc, ident) and proc.ppid() == me:
+                pending[ident.pid] = ident
+    reaped: dict[int, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for pid in list(pending):
+            try:
+                got, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                del pending[pid]  # someone else reaped it
+                continue
+            if got == pid:
+                reaped[pid] = os.waitstatus_to_exitcode(status)
+                del pending[pid]
+        if pending:
+            time.sleep(0.01)
+    _tell_multiprocessing(reaped)
+    return reaped
+
+
+def _tell_multiprocessing(reaped: dict[int, int]) -> None:
+    mp_process = sys.modules.get("multiprocessing.process")
+    if not reaped or mp_process is None:
+        return
+    for child in list(getattr(mp_process, "_children", ())):
+        popen = getattr(child, "_popen", None)
+        if popen is not None and getattr(popen, "pid", None) in reaped:
+            if getattr(popen, "returncode", 0) is None:
+                popen.returncode = reaped[popen.pid]
+
+
+def shm_entries() -> set[str]:
+    """Names in /dev/shm now (empty where there is no /dev/shm)."""
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def _open_anywhere(names: set[str]) -> set[str]:
+    """Which of ``names`` some live process still has open or mapped."""
+    paths = {os.path.join(SHM_DIR, n): n for n in names}
+    used: set[str] = set()
+    for pid_dir in os.listdir("/proc"):
+        if not pid_dir.isdigit():
+            continue
+        base = f"/proc/{pid_dir}"
+        with contextlib.suppress(OSError):
+            with open(f"{base}/maps") as maps:
+                for line in maps:
+                    idx = line.find(SHM_DIR)
+                    if idx >= 0:
+                        path = line[idx:].rstrip("\n").removesuffix(" (deleted)")
+                        if path in paths:
+                            used.add(paths[path])
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"{base}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"{base}/fd/{fd}")
+                    if target in paths:
+                        used.add(paths[target])
+    return used
+
+
+def cleanup_shm(baseline: set[str], killed_pids: Iterable[int]) -> list[str]:
+    """Unlink /dev/shm segments created since ``baseline`` that the killed tree left behind.
+
+    Only multiprocessing/torch names are considered, and only those no live process has open or
+    mapped (a parallel pytest-xdist worker's segments stay); ``torch_<pid>_*`` names must also
+    belong to a killed process.
+    """
+    killed = set(killed_pids)
+    candidates: set[str] = set()
+    for name in shm_entries() - baseline:
+        if not name.startswith(_SHM_PREFIXES):
+            continue
+        match = _TORCH_SHM_PID.match(name)
+        if match and int(match.group(1)) not in killed:
+            continue
+        candidates.add(name)
+    if not candidates:
+        return []
+    removed = []
+    for name in sorted(candidates - _open_anywhere(candidates)):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+    return removed

@@ -1,0 +1,130 @@
+"""The HangReport model and its renderings: terminal text and a versioned JSON document."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .stacks import ThreadStack
+
+#: Version of the JSON document written per hang; bump on incompatible changes.
+SCHEMA_VERSION = 1
+#: Upper bound on the text of one report; the JSON keeps everything that was captured.
+MAX_TEXT_CHARS = 200_000
+
+
+@dataclass
+class ProcessReport:
+    """One process of the tree as it was at the deadline."""
+
+    pid: int
+    ppid: int
+    role: str
+    cmdline: str
+    state: str
+    cpu_s: float
+    cpu_delta_s: float  # CPU time spent during the capture: > 0 means busy, not blocked
+    rss_bytes: int
+    num_threads: int
+    age_s: float
+    dump_status: str
+    threads: list[ThreadStack] = field(default_factory=list)
+    thread_roles: dict[str, str] = field(default_factory=dict)  # thread ident -> role
+    stuck_at: str = ""
+
+
+@dataclass
+class Hint:
+    """A plain-language guess at the cause, with what it is based on."""
+
+    text: str
+    based_on: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HangReport:
+    """Everything captured about one hang."""
+
+    test_id: str
+    timeout_s: float
+    elapsed_s: float
+    phase: str
+    headline: str = ""
+    hints: list[Hint] = field(default_factory=list)
+    processes: list[ProcessReport] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
+    spared: list[int] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+    shm_removed: list[str] = field(default_factory=list)
+    capture_s: float = 0.0
+    created: float = field(default_factory=time.time)
+    notes: list[str] = field(default_factory=list)
+
+    def to_text(self) -> str:
+        """The report as a user reads it in the terminal, a failure message or a log."""
+        out = [self.headline]
+        for hint in self.hints:
+            out.append(f"hint: {hint.text}")
+            out.extend(f"      based on: {b}" for b in hint.based_on)
+        for note in self.notes:
+            out.append(f"note: {note}")
+        out.append("")
+        for proc in self.processes:
+            out.extend(_process_text(proc))
+        out.append(self._kill_summary())
+        text = "\n".join(out)
+        if len(text) > MAX_TEXT_CHARS:
+            text = text[:MAX_TEXT_CHARS] + "\n... report cut at %d characters" % MAX_TEXT_CHARS
+        return text
+
+    def _kill_summary(self) -> str:
+        parts = [f"killed {len(self.killed)} process(es)"]
+        if self.killed:
+            parts[0] += " (" + ", ".join(map(str, self.killed)) + ")"
+        if self.spared:
+            parts.append(f"left the session's multiprocessing helpers {self.spared} running")
+        if self.survivors:
+            parts.append(f"COULD NOT KILL {self.survivors}")
+        if self.shm_removed:
+            parts.append(f"removed {len(self.shm_removed)} /dev/shm segment(s)")
+        return "cleanup: " + "; ".join(parts) + f"; capture took {self.capture_s:.2f}s"
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as the versioned JSON document (see README, "JSON report")."""
+        doc = asdict(self)
+        doc["schema"] = "pytest-torchhang/hang-report"
+        doc["schema_version"] = SCHEMA_VERSION
+        return doc
+
+
+def _process_text(proc: ProcessReport) -> list[str]:
+    mib = proc.rss_bytes / (1 << 20)
+    busy = f", +{proc.cpu_delta_s:.2f}s CPU during capture (busy)" if proc.cpu_delta_s >= 0.05 else ""
+    out = [
+        f"--- process {proc.pid} [{proc.role}] parent {proc.ppid}, {proc.state}, "
+        f"cpu {proc.cpu_s:.2f}s{busy}, rss {mib:.0f} MiB, {proc.num_threads} threads, "
+        f"age {proc.age_s:.1f}s",
+        f"    cmdline: {proc.cmdline[:300]}",
+    ]
+    if proc.dump_status != "ok":
+        out.append(f"    ({proc.dump_status})")
+    for thread in proc.threads:
+        role = proc.thread_roles.get(thread.ident, "")
+        words = ["main thread" if thread.current else "thread", thread.ident]
+        words += [f'"{thread.name}"'] if thread.name else []
+        words += [f"[{role}]"] if role else []
+        out.append(f"    {' '.join(words)} (most recent call first):")
+        if not thread.frames:
+            out.append("        <no Python frame>")
+        for frame in thread.frames:
+            if frame.filename == "<pytest>":
+                out.append(f"        {frame.name}")
+                continue
+            out.append(f'        File "{frame.filename}", line {frame.lineno}, in {frame.name}')
+            if frame.line:
+                out.append(f"            {frame.line}")
+        if thread.truncated:
+            out.append("        ...")
+    out.append("")
+    return out
