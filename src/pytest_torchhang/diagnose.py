@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import functools
+import linecache
 import os
+import re
 import sysconfig
 from collections import Counter
 from collections.abc import Callable
@@ -56,18 +57,32 @@ def _has(proc: ProcessReport, path_suffix: str, *names: str) -> bool:
     return any(_in(f, path_suffix, *names) for f in _frames(proc))
 
 
+_CLASS_LINE = re.compile(r"^(\s*)class\s+([A-Za-z_]\w*)")
+
+
 @functools.lru_cache(maxsize=256)
 def _enclosing_class(filename: str, lineno: int) -> str:
-    try:
-        with open(filename) as source:
-            tree = ast.parse(source.read())
-    except (OSError, SyntaxError, ValueError):
+    """The class whose body holds ``lineno``, by indentation (no ``ast``: see below).
+
+    ``ast.parse`` must not run here: in CPython 3.11 the AST recursion counter is shared between
+    threads, and parsing in the watchdog thread while the main thread compiles corrupts it.
+    """
+    lines = linecache.getlines(filename)[:lineno]
+    if not lines:
         return ""
-    best = ""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.lineno <= lineno <= (node.end_lineno or 0):
-            best = node.name  # ast.walk is breadth-first: the innermost class comes last
-    return best
+    target = lines[-1]
+    indent = len(target) - len(target.lstrip())
+    for line in reversed(lines[:-1]):
+        match = _CLASS_LINE.match(line)
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "@")):
+            continue
+        depth = len(line) - len(line.lstrip())
+        if depth < indent:
+            if match and len(match.group(1)) == depth:
+                return match.group(2)
+            indent = depth
+    return ""
 
 
 def _dataset_name(proc: ProcessReport) -> str:
@@ -244,22 +259,31 @@ def _source_mentions_lock(frame: Frame) -> bool:
 
 
 def _hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
-    hits = []
+    hits, forked = [], False
+    root_cmdlines = {p.cmdline for p in procs if p.role == "pytest"}
     for proc in procs:
         if not proc.role.startswith("DataLoader worker"):
             continue
         frame = _innermost(proc, lambda f: _in(f, "logging/__init__.py", "acquire", "_acquireLock") or (not _is_library(f) and _source_mentions_lock(f)))
         if frame is not None and proc.cpu_delta_s < 0.05:
+            forked = forked or proc.cmdline in root_cmdlines  # a fork of the test process
             hits.append(f"{proc.role} (pid {proc.pid}) at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}")
     if not hits:
         return []
-    return [Hint(
-        f"{len(hits)} DataLoader worker(s) wait for a lock. A lock held by another thread when the "
-        "workers were forked (a logging handler, a user lock, a library's global lock) stays locked "
-        "forever in the child. Use multiprocessing_context='spawn' or 'forkserver', or create the "
-        "lock inside the worker (worker_init_fn).",
-        hits,
-    )]
+    if forked:
+        text = (
+            f"{len(hits)} DataLoader worker(s) wait for a lock. A lock held by another thread when "
+            "the workers were forked (a logging handler, a user lock, a library's global lock) "
+            "stays locked forever in the child. Use multiprocessing_context='spawn' or "
+            "'forkserver', or create the lock inside the worker (worker_init_fn)."
+        )
+    else:
+        text = (
+            f"{len(hits)} DataLoader worker(s) wait for a lock that nothing in the worker will "
+            "release: a plain Lock acquired twice by one thread (use RLock), or a lock whose "
+            "holder is itself blocked."
+        )
+    return [Hint(text, hits)]
 
 
 def _hint_queue_join(procs: list[ProcessReport]) -> list[Hint]:

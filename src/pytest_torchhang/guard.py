@@ -57,6 +57,16 @@ def _environ(proc: psutil.Process) -> dict[str, str]:
     return {k: env[k] for k in _ENV_KEYS if k in env}
 
 
+def _helper(proc: psutil.Process, cmdline: list[str], name: str) -> str | None:
+    kind = helper_kind(cmdline, name)
+    if kind is None:
+        return None
+    with contextlib.suppress(psutil.Error):
+        if proc.parent() is not None and proc.parent().cmdline() == cmdline:  # type: ignore[union-attr]
+            return None  # forked by the helper (a forkserver's child), not the helper itself
+    return kind
+
+
 def _facts(proc: psutil.Process, now: float, dump: Dump, cpu_before: float) -> ProcessReport:
     with proc.oneshot():
         try:
@@ -75,7 +85,7 @@ def _facts(proc: psutil.Process, now: float, dump: Dump, cpu_before: float) -> P
     return ProcessReport(
         pid=proc.pid,
         ppid=ppid,
-        role=helper_kind(cmdline, name) or "",
+        role=_helper(proc, cmdline, name) or "",
         cmdline=" ".join(cmdline) or name,
         state=state,
         cpu_s=cpu,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import sys
 import time
 
@@ -42,12 +43,14 @@ def _take_over(pytest_pid: int, dump_dir: str, report_dir: str, test_id: str, ti
         "of the pytest process below shows the call that blocks.",
         [f"pytest (pid {pytest_pid})"],
     ))
+    banner = "!" * 30 + " pytest-torchhang: session stopped " + "!" * 30
+    text = report.to_text().rsplit("\ncleanup:", 1)[0]  # printed before the kill: no cleanup yet
+    sys.stderr.write(f"\n{banner}\n{text}\nkilling the whole tree, pytest included\n")
+    sys.stderr.flush()  # before the kill: whoever waits for pytest reads this when it returns
     kill(target, report)
-    text = report.to_text()
-    sys.stderr.write(
-        "\n" + "!" * 30 + " pytest-torchhang: session stopped " + "!" * 30 + "\n" + text + "\n"
-    )
+    sys.stderr.write(report.to_text().rsplit("\n", 1)[-1] + "\n")
     sys.stderr.flush()
+    shutil.rmtree(dump_dir, ignore_errors=True)  # pytest, which would have removed it, is gone
     if report_dir:
         os.makedirs(report_dir, exist_ok=True)
         name = f"session-stop-{pytest_pid}-{int(time.time())}.json"

@@ -17,7 +17,7 @@ from types import FrameType
 
 import pytest
 
-from . import _hook, guard, proctree, settings
+from . import _hook, devices, guard, proctree, settings
 from .exceptions import HangError
 from .watchdog import INTERRUPT_SIGNAL, ItemGuard, MonitorClient, Watchdog
 
@@ -135,6 +135,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     session_settings = settings.session_settings(config)  # raises a usage error when invalid
     config.stash[_SESSION] = _Session(config, session_settings, os.dup(2))
+    config.pluginmanager.register(devices.DevicePlugin(config), "torchhang-devices")
 
 
 @pytest.hookimpl(trylast=True)

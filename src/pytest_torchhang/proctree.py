@@ -182,9 +182,12 @@ def kill_tree(
                 if proc.pid not in idents:
                     continue
                 ident = idents[proc.pid]
-                kind = helper_kind(_safe_cmdline(proc), _safe_name(proc))
+                cmdline = _safe_cmdline(proc)
+                kind = helper_kind(cmdline, _safe_name(proc))
                 try:
                     parent = proc.ppid()
+                    if kind is not None and _safe_cmdline(psutil.Process(parent)) == cmdline:
+                        kind = None  # a child the helper forked (forkserver), not the helper
                 except psutil.Error:
                     parent = -1
                 if kind is not None and spare_root_helpers and parent == root_pid:
@@ -284,27 +287,34 @@ def shm_entries() -> set[str]:
 
 
 def _open_anywhere(names: set[str]) -> set[str]:
-    """Which of ``names`` some live process still has open or mapped."""
-    paths = {os.path.join(SHM_DIR, n): n for n in names}
+    """Which of ``names`` some live process still has open or mapped.
+
+    Matched by inode, not path: glibc's sem_open maps a temporary file and then renames it, so a
+    process's maps name a deleted ``sem.XXXXXX`` while /dev/shm shows ``sem.mp-...``.
+    """
+    by_inode: dict[int, str] = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            by_inode[os.stat(os.path.join(SHM_DIR, name)).st_ino] = name
     used: set[str] = set()
     for pid_dir in os.listdir("/proc"):
         if not pid_dir.isdigit():
             continue
         base = f"/proc/{pid_dir}"
-        with contextlib.suppress(OSError):
-            with open(f"{base}/maps") as maps:
-                for line in maps:
-                    idx = line.find(SHM_DIR)
-                    if idx >= 0:
-                        path = line[idx:].rstrip("\n").removesuffix(" (deleted)")
-                        if path in paths:
-                            used.add(paths[path])
+        with contextlib.suppress(OSError), open(f"{base}/maps") as maps:
+            for line in maps:
+                if SHM_DIR not in line:
+                    continue
+                fields = line.split(None, 5)
+                if len(fields) >= 5 and fields[4].isdigit() and int(fields[4]) in by_inode:
+                    used.add(by_inode[int(fields[4])])
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"{base}/fd"):
                 with contextlib.suppress(OSError):
-                    target = os.readlink(f"{base}/fd/{fd}")
-                    if target in paths:
-                        used.add(paths[target])
+                    if os.readlink(f"{base}/fd/{fd}").startswith(SHM_DIR):
+                        inode = os.stat(f"{base}/fd/{fd}").st_ino
+                        if inode in by_inode:
+                            used.add(by_inode[inode])
     return used
 
 
