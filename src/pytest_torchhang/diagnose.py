@@ -228,11 +228,12 @@ def _hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
     based = [f"rank {r} (pid {p.pid}) in {where[_rank_no(p)] or p.stuck_at}" for r, p in ((_rank_no(p), p) for p in ranks)]
     hints = []
     if rendezvous and not waiting:
-        size = ranks[0].role.split()[1].split("/")[-1]
         hints.append(Hint(
-            f"{len(rendezvous)} rank(s) wait in the process-group rendezvous ({', '.join(sorted(set(rendezvous.values())))}): "
-            f"the other ranks of world size {size} never arrived (never started, crashed before init, or a "
-            "different MASTER_ADDR/port/store). Start exactly world_size ranks on one rendezvous.",
+            f"{len(rendezvous)} rank(s) wait in the process-group rendezvous "
+            f"({', '.join(sorted(set(rendezvous.values())))}) and {len(ranks)} rank(s) were started: "
+            "the other ranks of the world never arrived (world_size larger than the ranks "
+            "launched, a rank that crashed before init, or another store/MASTER_ADDR/port). "
+            "Start exactly world_size ranks on one rendezvous.",
             based,
         ))
     elif len(set(waiting.values())) > 1:
@@ -330,7 +331,9 @@ def _hint_manager(procs: list[ProcessReport]) -> list[Hint]:
 def _hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
     hits = []
     for proc in procs:
-        if _has(proc, "multiprocessing/managers.py", "_callmethod") or _has(proc, "torch/utils/data/dataloader.py"):
+        if _has(proc, "multiprocessing/managers.py", "_callmethod") or _has(
+            proc, "torch/utils/data/dataloader.py", "_try_get_data"
+        ):
             continue  # a Manager client, or a DataLoader waiting for its workers: other rules
         frame = _innermost(proc, lambda f: _in(f, "multiprocessing/connection.py", "_recv", "_recv_bytes", "recv_bytes", "recv", "poll", "_poll") or (not _is_library(f) and any(s in f.line for s in ("os.read(", ".recv(", ".read(", ".readline("))))
         if frame is not None and not proc.role.startswith(("rank ", "resource_tracker", "forkserver")):

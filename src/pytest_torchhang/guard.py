@@ -86,7 +86,7 @@ def _facts(proc: psutil.Process, now: float, dump: Dump, cpu_before: float) -> P
         pid=proc.pid,
         ppid=ppid,
         role=_helper(proc, cmdline, name) or "",
-        cmdline=" ".join(cmdline) or name,
+        cmdline=(" ".join(cmdline) or name).replace("\n", "\\n"),
         state=state,
         cpu_s=cpu,
         cpu_delta_s=max(cpu - cpu_before, 0.0),
@@ -130,7 +130,10 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         timeout_s=target.timeout_s,
         elapsed_s=elapsed,
         phase=target.phase,
-        headline=diagnose.headline(target.test_id, elapsed, reports, target.root_pid),
+        headline=diagnose.headline(
+            target.test_id + (f" (during {target.phase})" if target.phase != "call" else ""),
+            elapsed, reports, target.root_pid,
+        ),
         hints=diagnose.hints(reports),
         processes=reports,
     )

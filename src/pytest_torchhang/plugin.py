@@ -259,12 +259,15 @@ def _is_hang(report: pytest.TestReport | pytest.CollectReport) -> bool:
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> tuple[str, str, str] | None:
     if report.failed and _is_hang(report):
-        return "failed", "H", ("HANG", {"red": True, "bold": True})  # type: ignore[return-value]
+        # like any failure outside the test body, a hang in setup or teardown counts as an error
+        category = "failed" if report.when == "call" else "error"
+        return category, "H", ("HANG", {"red": True, "bold": True})  # type: ignore[return-value]
     return None
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
-    hangs = [r for r in terminalreporter.stats.get("failed", []) if _is_hang(r)]
+    stats = terminalreporter.stats
+    hangs = [r for r in stats.get("failed", []) + stats.get("error", []) if _is_hang(r)]
     if not hangs:
         return
     terminalreporter.write_sep("=", "torch-hang summary", red=True, bold=True)

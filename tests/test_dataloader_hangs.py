@@ -1,0 +1,144 @@
+"""DataLoader workers that hang: deadlocked in __getitem__ (fork, spawn, forkserver), or reading a pipe."""
+
+from __future__ import annotations
+
+from conftest import GuardedRunner, assert_hang
+
+DEADLOCKED_WORKERS = '''
+import os
+import threading
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+_LOCK = None
+
+
+class SelfDeadlockingDataset(Dataset):
+    """Takes a plain Lock twice: every worker blocks in __getitem__ forever."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        global _LOCK
+        if _LOCK is None:
+            _LOCK = threading.Lock()
+        with _LOCK:
+            with _LOCK:
+                return torch.tensor([index])
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_worker_deadlock(context):
+    for _ in DataLoader(SelfDeadlockingDataset(), num_workers=2, multiprocessing_context=context):
+        pass
+
+
+def test_next_test_runs():
+    assert sum(DataLoader(list(range(4)), batch_size=2).__iter__().__next__()) == 1
+'''
+
+FORK_LOCK = '''
+import threading
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+LOCK = threading.Lock()
+
+
+class LockedDataset(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        with LOCK:
+            return torch.tensor([index])
+
+
+def test_lock_held_at_fork():
+    LOCK.acquire()  # another thread's lock, held while the workers fork
+    try:
+        for _ in DataLoader(LockedDataset(), num_workers=2, multiprocessing_context="fork"):
+            pass
+    finally:
+        LOCK.release()
+
+
+def test_next_test_runs():
+    pass
+'''
+
+PIPE_READER = '''
+import os
+
+from torch.utils.data import DataLoader, Dataset
+
+READ_FD, WRITE_FD = os.pipe()  # nobody ever writes
+
+
+class PipeDataset(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return os.read(READ_FD, 1)
+
+
+def test_worker_reads_a_silent_pipe():
+    for _ in DataLoader(PipeDataset(), num_workers=1, multiprocessing_context="fork"):
+        pass
+
+
+def test_next_test_runs():
+    pass
+'''
+
+
+def test_workers_deadlocked_in_getitem_are_caught_for_every_start_method(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_loader=DEADLOCKED_WORKERS)
+    session = guarded.run(timeout=3)
+    session.result.assert_outcomes(failed=3, passed=1)
+    for context in ("fork", "spawn", "forkserver"):
+        report = assert_hang(
+            session,
+            f"test_worker_deadlock[{context}]",
+            "HANG after 3.* 2 stuck in DataLoader worker __getitem__",
+            "*[[]DataLoader worker 0/2 (dataset SelfDeadlockingDataset)[]]*",
+            "*[[]DataLoader worker 1/2 (dataset SelfDeadlockingDataset)[]]*",
+            '*File "*test_loader.py", line *, in __getitem__',
+            "*with _LOCK:",
+            "hint: 2 DataLoader worker(s) wait for a lock*",
+            "cleanup: killed *",
+        )
+        assert "COULD NOT KILL" not in report
+    session.assert_clean()
+
+
+def test_a_lock_held_at_fork_time_gets_the_fork_hint(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_fork_lock=FORK_LOCK)
+    session = guarded.run(timeout=2)
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_lock_held_at_fork",
+        "*held by another thread when the workers were forked*multiprocessing_context='spawn'*",
+        "*with LOCK:",
+    )
+    session.assert_clean()
+
+
+def test_a_worker_reading_a_silent_pipe_is_caught(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_pipe=PIPE_READER)
+    session = guarded.run(timeout=2)
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_worker_reads_a_silent_pipe",
+        "*1 stuck in DataLoader worker __getitem__",
+        "*return os.read(READ_FD, 1)",
+        "hint: 1 process(es) block reading a pipe*",
+    )
+    session.assert_clean()

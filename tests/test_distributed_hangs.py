@@ -1,0 +1,58 @@
+"""torch.distributed hangs: gloo ranks started with torch.multiprocessing.spawn that never meet."""
+
+from __future__ import annotations
+
+from conftest import GuardedRunner, assert_hang
+
+MISMATCH = '''
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+
+def _rank(rank, world_size, store):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    tensor = torch.ones(1)
+    if rank == 0:
+        dist.all_reduce(tensor)
+    else:
+        dist.barrier()
+
+
+def test_ranks_in_different_collectives(tmp_path):
+    tmp.spawn(_rank, args=(2, str(tmp_path / "store")), nprocs=2)
+
+
+def _lonely(rank, world_size, store):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+
+
+def test_rendezvous_waits_for_ranks_never_started(tmp_path):
+    tmp.spawn(_lonely, args=(3, str(tmp_path / "store")), nprocs=2)
+
+
+def test_next_test_runs():
+    pass
+'''
+
+
+def test_gloo_ranks_in_different_collectives_are_named(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_ddp=MISMATCH)
+    session = guarded.run(timeout=3)
+    session.result.assert_outcomes(failed=2, passed=1)
+    assert_hang(
+        session,
+        "test_ranks_in_different_collectives",
+        "HANG after 3.* 2 stuck in rank _rank",
+        "*[[]rank 0/2 (torch.multiprocessing.spawn)[]]*",
+        "*[[]rank 1/2 (torch.multiprocessing.spawn)[]]*",
+        "hint: ranks wait in different collectives (rank 0/2 in all_reduce, rank 1/2 in barrier)*",
+        "*dist.all_reduce(tensor)",
+        "*dist.barrier()",
+    )
+    assert_hang(
+        session,
+        "test_rendezvous_waits_for_ranks_never_started",
+        "hint: 2 rank(s) wait in the process-group rendezvous*and 2 rank(s) were started*",
+    )
+    session.assert_clean()
