@@ -23,6 +23,22 @@ def dump_path(dump_dir: str, pid: int) -> str:
     return os.path.join(dump_dir, f"{pid}.stack")
 
 
+def role_path(dump_dir: str, pid: int) -> str:
+    """The file where a process may state its role (a rank, a runner child) for reports."""
+    return os.path.join(dump_dir, f"{pid}.role")
+
+
+def set_role(role: str) -> None:
+    """Record this process's role for hang reports (no-op when no dump directory is set)."""
+    dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
+    if dump_dir and os.path.isdir(dump_dir):
+        try:
+            with open(role_path(dump_dir, os.getpid()), "w") as out:
+                out.write(role)
+        except OSError:
+            pass
+
+
 class _Registration:
     """Per-process state of the hook: which file the handler writes to (kept open on purpose)."""
 

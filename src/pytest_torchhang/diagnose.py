@@ -129,7 +129,7 @@ def label_roles(
     workers: dict[int, list[ProcessReport]] = {}
     ranks: dict[int, list[ProcessReport]] = {}
     for proc in processes:
-        if proc.pid == root_pid:
+        if proc.pid == root_pid and not proc.role:
             proc.role = root_role
         elif proc.role:
             continue  # already known (a helper recognised by its command line)

@@ -40,3 +40,14 @@ class ChildCrashed(Exception):
         if self.crash_trace:
             text += "\n\nthe child's crash trace (faulthandler):\n" + self.crash_trace.rstrip()
         return text
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a child process, shown as its ``__cause__``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n\n--- traceback in the child process ---\n" + self.text.rstrip()

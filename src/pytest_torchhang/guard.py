@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from . import diagnose
+from ._hook import role_path
 from .proctree import KillResult, ProcessId, cleanup_shm, descendants, helper_kind, kill_tree
 from .report import HangReport, ProcessReport
 from .stacks import Dump, in_process_threads, request_dumps, trim_pytest_frames
@@ -39,6 +40,9 @@ class GuardTarget:
     root_role: str = "pytest"
     phase: str = "call"
     capture_budget_s: float = 2.0
+    #: When set, the tree is these processes and their descendants (runner children), not the
+    #: root's descendants; the root is then only the process the report is written for.
+    roots: list[int] | None = None
 
 
 def _cpu(proc: psutil.Process) -> float:
@@ -98,20 +102,39 @@ def _facts(proc: psutil.Process, now: float, dump: Dump, cpu_before: float) -> P
     )
 
 
+def tree(target: GuardTarget) -> list[psutil.Process]:
+    """The processes a target covers, the root (or the roots) first."""
+    procs: list[psutil.Process] = []
+    for root in target.roots if target.roots is not None else [target.root_pid]:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(root))
+            procs.extend(descendants(root, target.exclude))
+    seen: set[int] = set()
+    return [p for p in procs if not (p.pid in seen or seen.add(p.pid))]  # type: ignore[func-returns-value]
+
+
+def _roles(dump_dir: str | None, pids: list[int]) -> dict[int, str]:
+    roles: dict[int, str] = {}
+    if dump_dir is None:
+        return roles
+    for pid in pids:
+        with contextlib.suppress(OSError), open(role_path(dump_dir, pid)) as role:
+            roles[pid] = role.read().strip()
+    return roles
+
+
 def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangReport:
     """Snapshot the tree and take every process's stacks; kills nothing."""
     t0 = time.monotonic()
-    procs = descendants(target.root_pid, target.exclude)
-    with contextlib.suppress(psutil.Error):
-        procs.insert(0, psutil.Process(target.root_pid))
+    procs = tree(target)
     cpu_before = {p.pid: _cpu(p) for p in procs}
     idents: list[ProcessId] = []
     for proc in procs:
         with contextlib.suppress(psutil.Error):
-            if proc.pid != target.root_pid or not target.root_in_process:
+            if proc.pid != target.root_pid or not target.root_in_process or target.roots is not None:
                 idents.append(ProcessId(proc.pid, proc.create_time()))
     dumps = request_dumps(idents, target.dump_dir, target.capture_budget_s)
-    if target.root_in_process:
+    if target.root_in_process and target.roots is None:
         dumps[target.root_pid] = Dump("ok", in_process_threads(skip_threads))
     for dump in dumps.values():
         for thread in dump.threads:
@@ -123,6 +146,8 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         for p in procs
     ]
     env = {p.pid: _environ(p) for p in procs if p.pid != target.root_pid}
+    for report_ in reports:
+        report_.role = _roles(target.dump_dir, [report_.pid]).get(report_.pid, report_.role)
     diagnose.label_roles(reports, target.root_pid, env, target.root_role)
     elapsed = time.monotonic() - target.started
     report = HangReport(
@@ -143,7 +168,16 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
 
 def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
     """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
-    result = kill_tree(target.root_pid, exclude=target.exclude, include_root=target.kill_root)
+    if target.roots is None:
+        result = kill_tree(target.root_pid, exclude=target.exclude, include_root=target.kill_root)
+    else:
+        result = KillResult()
+        for root in target.roots:
+            part = kill_tree(root, exclude=target.exclude, include_root=True, spare_root_helpers=False)
+            result.killed += part.killed
+            result.spared += part.spared
+            result.survivors += part.survivors
+            result.reaped.update(part.reaped)
     result.shm_removed = cleanup_shm(target.shm_baseline, [p.pid for p in result.killed])
     if report is not None:
         report.killed = [p.pid for p in result.killed]

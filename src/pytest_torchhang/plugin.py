@@ -11,14 +11,16 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from types import FrameType
 
 import pytest
 
-from . import _hook, devices, guard, proctree, settings
+from . import _hook, devices, fixtures, guard, proctree, runner, settings
 from .exceptions import HangError
+from .report import HangReport
 from .watchdog import INTERRUPT_SIGNAL, ItemGuard, MonitorClient, Watchdog
 
 #: After a session that had a hang, interpreter exit gets this long before it is forced.
@@ -43,6 +45,20 @@ class _Session:
     saved_env: dict[str, str | None] = field(default_factory=dict)
     hangs: list[tuple[str, str]] = field(default_factory=list)  # (nodeid, headline)
     hang_files: int = 0
+    runner: runner.Runner | None = None
+
+    def get_runner(self) -> runner.Runner:
+        """The subprocess runner (and its zygote), created on first use."""
+        if self.runner is None:
+            self.runner = runner.Runner()
+        return self.runner
+
+    def own_pids(self) -> set[int]:
+        """The plugin's own processes: never part of a test's tree."""
+        pids = self.runner.helper_pids() if self.runner is not None else set()
+        if self.monitor is not None:
+            pids.add(self.monitor.ensure_started())
+        return pids
 
     def activate(self) -> Watchdog:
         """First guarded test: start the watchdog, the dump hook, the subreaper (once a session)."""
@@ -70,6 +86,8 @@ class _Session:
                 json.dump(item.report.to_json(), out, indent=1, default=str)
 
     def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
         if self.watchdog is None:
             return
         self.watchdog.stop()
@@ -185,7 +203,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     watchdog = state.activate()
     target = guard.GuardTarget(
         test_id=item.nodeid, timeout_s=item_settings.timeout, root_pid=os.getpid(),
-        dump_dir=state.dump_dir, exclude={state.monitor.ensure_started()} if state.monitor else set(),
+        dump_dir=state.dump_dir, exclude=state.own_pids(),
         shm_baseline=proctree.shm_entries(),
     )
     held = ItemGuard(target, target.started + item_settings.timeout, threading.get_ident())
@@ -237,12 +255,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     held = item.stash.get(_ITEM_GUARD, None)
     if held is None or held.fires == 0 or held.attached:
+        raised = call.excinfo.value if call.excinfo is not None else None
+        if isinstance(raised, HangError) and raised.report is not None:
+            _mark_hang(item, report, raised.report)  # from the fixture or an isolated test
         return report
     held.done.wait(PIPELINE_WAIT_S)
     hang = held.report
     if hang is None:
         return report
     held.attached = True
+    _mark_hang(item, report, hang)
+    return report
+
+
+def _mark_hang(item: pytest.Item, report: pytest.TestReport, hang: HangReport) -> None:
     report.outcome = "failed"
     report.longrepr = hang.to_text()
     report.user_properties.append((HANG_PROPERTY, "true"))
@@ -250,7 +276,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report.user_properties.append(("torch_hang_processes", str(len(hang.processes))))
     report.user_properties.append(("torch_hang_headline", hang.headline))
     item.config.stash[_SESSION].hangs.append((item.nodeid, hang.headline))
-    return report
 
 
 def _is_hang(report: pytest.TestReport | pytest.CollectReport) -> bool:
@@ -276,3 +301,39 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         terminalreporter.write_line(str(headline))
 
 
+
+
+def _deadline(item: pytest.Item) -> float | None:
+    held = item.stash.get(_ITEM_GUARD, None)
+    return held.deadline if held is not None else None
+
+
+@pytest.fixture
+def torch_hang(request: pytest.FixtureRequest) -> fixtures.TorchHang:
+    """Run callables, DataLoader iterations and N-rank distributed steps in subprocesses.
+
+    ``torch_hang.run(fn, *args, timeout=None, start_method=None, env=None, **kwargs)``,
+    ``torch_hang.dataloader(dataset_or_factory, batches=None, ...)`` and
+    ``torch_hang.distributed(fn, *args, world_size=2, backend=None, ...)``; see the README.
+    """
+    state = request.config.stash[_SESSION]
+    node = request.node
+    gpus = devices.leased_gpus(node) if hasattr(devices, "leased_gpus") else None
+    return fixtures.TorchHang(state.get_runner, node.nodeid, _deadline(node), gpus)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    item_settings = pyfuncitem.stash.get(_ITEM_SETTINGS, None)
+    if item_settings is None or not item_settings.isolate:
+        return None
+    state = pyfuncitem.config.stash[_SESSION]
+    names = pyfuncitem._fixtureinfo.argnames
+    funcargs = {name: pyfuncitem.funcargs[name] for name in names}
+    deadline = _deadline(pyfuncitem)
+    timeout = (
+        max(deadline - time.monotonic() - fixtures.MARGIN_S, 0.1)
+        if deadline is not None else fixtures.DEFAULT_TIMEOUT_S
+    )
+    fixtures.run_isolated(state.get_runner(), pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout)
+    return True

@@ -1,0 +1,108 @@
+"""The child side of the subprocess runner: read a request, run it, write the outcome to a file.
+
+A request file holds two pickles: a header of plain values (where to write, the dump directory,
+the role, environment, sys.path, cwd, an output file) and the job ``(fn, args, kwargs)``, which is
+unpickled inside the error handling so that an import error reaches the test as its exception.
+A child never talks back through a multiprocessing Queue (they deadlock at exit): the outcome is a
+pickle written atomically next to the request, and a crash is told by the exit status and the
+faulthandler trace in the crash file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from . import _hook
+from .proctree import become_subreaper, die_with_parent, kill_tree
+
+
+@dataclass
+class Outcome:
+    """What a child sends back: a result, or an exception with its formatted traceback."""
+
+    ok: bool
+    value: Any = None
+    exc_type: str = ""
+    exc_message: str = ""
+    traceback: str = ""
+
+
+def _write_outcome(path: str, outcome: Outcome) -> None:
+    tmp = path + ".tmp"
+    try:
+        data = pickle.dumps(outcome)
+    except Exception as exc:  # the result or the exception itself does not pickle
+        data = pickle.dumps(Outcome(
+            ok=False, exc_type="TypeError",
+            exc_message=f"the child's {'result' if outcome.ok else 'exception'} cannot be pickled "
+                        f"back to the test: {exc}",
+            traceback=outcome.traceback,
+        ))
+    with open(tmp, "wb") as out:
+        out.write(data)
+    os.replace(tmp, path)
+
+
+def run_request(request_path: str) -> int:
+    """Run one request in this (fresh or forked) process; returns the exit code to use."""
+    die_with_parent()
+    with open(request_path, "rb") as raw:
+        header = pickle.load(raw)  # (result_path, crash_path, dump_dir, role, env, sys_path, ...)
+        payload = raw.read()
+    result_path, crash_path, dump_dir, role, env, sys_path, cwd, stdout_path = header
+    if stdout_path:
+        fd = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    crash = open(crash_path, "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.enable(file=crash, all_threads=True)
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if cwd:
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
+    sys.path[:] = sys_path or sys.path
+    _hook.install(dump_dir)
+    _hook.set_role(role)
+    become_subreaper()  # so what the job starts stays in this child's tree until we clean it
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        value = fn(*args, **kwargs)
+        outcome = Outcome(ok=True, value=value)
+    except BaseException as exc:  # the test wants every error, SystemExit included
+        outcome = Outcome(
+            ok=False,
+            value=exc,
+            exc_type=type(exc).__qualname__,
+            exc_message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+    _write_outcome(result_path, outcome)
+    kill_tree(os.getpid(), budget_s=3.0)  # whatever the job left running dies with it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 0
+
+
+def main() -> None:
+    """Entry point of a spawned child: ``python -m pytest_torchhang.child REQUEST``."""
+    code = run_request(sys.argv[1])
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    # run through the package's module, so Outcome pickles as pytest_torchhang.child.Outcome
+    from pytest_torchhang.child import main as package_main
+
+    package_main()

@@ -1,0 +1,197 @@
+"""The ``torch_hang`` fixture: run work in subprocesses under a deadline."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import jobs, runner
+from .jobs import LoaderStats
+
+#: The bound of fixture calls when neither the call nor the test has a timeout.
+DEFAULT_TIMEOUT_S = 60.0
+#: A call's deadline stays this far inside the test's own, so the call reports first.
+MARGIN_S = 0.5
+#: After the first rank fails, how long the others get to finish before their stacks are taken.
+PEER_GRACE_S = 0.5
+
+__all__ = ["LoaderStats", "TorchHang"]
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def check_picklable(obj: Any, what: str) -> None:
+    """Raise a TypeError a user can act on when ``obj`` cannot travel to a child process."""
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:
+        raise TypeError(
+            f"{what} must be picklable to run in a child process, and {_name(obj)!r} is not "
+            f"({type(exc).__name__}: {exc}). Define it at module level (not a lambda, a local "
+            "function or a method of a local class), and pass data that pickles."
+        ) from None
+
+
+class TorchHang:
+    """Run callables, DataLoader iterations and distributed steps in children, under a deadline."""
+
+    def __init__(self, get_runner: Callable[[], runner.Runner], test_id: str, deadline: float | None,
+                 gpus: list[int] | None = None) -> None:
+        self._get_runner = get_runner
+        self._test_id = test_id
+        self._deadline = deadline
+        self._gpus = gpus
+
+    def _timeout(self, timeout: float | None) -> float:
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+                raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+            return float(timeout)
+        if self._deadline is not None:
+            return max(self._deadline - time.monotonic() - MARGIN_S, 0.1)
+        return DEFAULT_TIMEOUT_S
+
+    def _method(self, start_method: str | None) -> str:
+        method = start_method or "zygote"
+        if method not in runner.START_METHODS:
+            raise ValueError(f"start_method must be one of {', '.join(runner.START_METHODS)}, got {method!r}")
+        return method
+
+    def _relay(self, the_runner: runner.Runner, children: list[runner.Child]) -> None:
+        for child in children:
+            output = the_runner.output(child)
+            if output:
+                sys.stdout.write(output)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+            start_method: str | None = None, env: dict[str, str | None] | None = None, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` in a child process and return its result.
+
+        The child's exception is raised here with its traceback attached; a child killed by a
+        signal raises ``ChildCrashed``; a child still running at the deadline raises ``HangError``
+        with the stacks of its whole tree (which is killed). ``timeout=None``: the test's timeout.
+        """
+        return self._run_one(fn, args, kwargs, timeout=timeout, start_method=start_method, env=env,
+                             label=f"torch_hang.run({_name(fn)})")
+
+    def _run_one(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, timeout: float | None,
+                 start_method: str | None, env: dict[str, str | None] | None, label: str) -> Any:
+        check_picklable(fn, label.split("(")[0] + "'s callable")
+        seconds, method = self._timeout(timeout), self._method(start_method)
+        the_runner = self._get_runner()
+        child = the_runner.start(fn, args, kwargs, method=method, role=f"{label} child", env=env)
+        left = runner.wait(the_runner, [child], seconds, stop_on_error=False)
+        if left <= 0 and the_runner.is_running(child):
+            report = runner.hang_report(the_runner, [child], f"{label} in {self._test_id}", seconds)
+            self._relay(the_runner, [child])
+            runner.raise_hang(report)
+        self._relay(the_runner, [child])
+        return runner.raise_outcome(the_runner, child)
+
+    def dataloader(self, dataset_or_factory: Any, *, batches: int | None = None, timeout: float | None = None,
+                   multiprocessing_context: str | None = None, start_method: str | None = None,
+                   **loader_kwargs: Any) -> LoaderStats:
+        """Build a DataLoader in a child and iterate ``batches`` batches (all when None).
+
+        ``dataset_or_factory`` is a picklable dataset, or a picklable callable returning a
+        dataset or a DataLoader; ``loader_kwargs`` go to ``DataLoader``.
+        """
+        if batches is not None and (not isinstance(batches, int) or batches < 0):
+            raise ValueError(f"batches must be None or an int >= 0, got {batches!r}")
+        check_picklable(dataset_or_factory, "torch_hang.dataloader's dataset or factory")
+        return self._run_one(  # type: ignore[no-any-return]
+            jobs.iterate_loader, (dataset_or_factory, batches, multiprocessing_context, loader_kwargs), {},
+            timeout=timeout, start_method=start_method, env=None,
+            label=f"torch_hang.dataloader({_name(dataset_or_factory)})",
+        )
+
+    def distributed(self, fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str | None = None,
+                    timeout: float | None = None, init_timeout: float | None = None,
+                    start_method: str | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` ranks; per-rank results.
+
+        The process group (gloo on CPU, nccl when each rank can have a leased GPU of its own) is
+        set up through a FileStore private to this call and destroyed after ``fn``.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        gpus = self._gpus or []
+        if backend is None:
+            backend = "nccl" if len(gpus) >= world_size else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or None (automatic), got {backend!r}")
+        if backend == "nccl" and len(gpus) < world_size:
+            raise ValueError(
+                f"backend 'nccl' needs one GPU per rank: world_size {world_size}, GPUs leased to this "
+                f"test: {len(gpus)}. Mark the test @pytest.mark.gpu({world_size}), or use backend='gloo'."
+            )
+        check_picklable(fn, "torch_hang.distributed's callable")
+        seconds, method = self._timeout(timeout), self._method(start_method)
+        init_seconds = self._timeout(init_timeout) if init_timeout is not None else seconds
+        the_runner = self._get_runner()
+        store = os.path.join(the_runner.workdir, f"store-{os.getpid()}-{time.monotonic_ns()}")
+        # gloo would wait 30 minutes by default: bound it, just past our own deadline, so the
+        # plugin (which reports every rank's stack) decides first.
+        pg_timeout = seconds + 5.0
+        children = []
+        for rank in range(world_size):
+            env: dict[str, str | None] = {
+                "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                "TORCH_HANG_BACKEND": backend,
+            }
+            if backend == "nccl":
+                env["CUDA_VISIBLE_DEVICES"] = str(gpus[rank])
+            children.append(the_runner.start(
+                jobs.rank_main,
+                (fn, rank, world_size, backend, store, pg_timeout, init_seconds, args, kwargs), {},
+                method=method, role=f"rank {rank}/{world_size} ({backend})", env=env,
+            ))
+        label = f"torch_hang.distributed({_name(fn)}, world_size={world_size})"
+        left = runner.wait(the_runner, children, seconds, stop_on_error=True)
+        failed = [c for c in children if c.exitcode is not None and not (c.outcome and c.outcome.ok)]
+        if failed:
+            runner.wait(the_runner, children, min(PEER_GRACE_S, max(left, 0.05)), stop_on_error=False)
+            first = min(failed, key=lambda c: c.ended)
+            waiting = [c for c in children if the_runner.is_running(c)]
+            note = ""
+            if waiting:
+                report = runner.hang_report(the_runner, waiting, f"{label} in {self._test_id}", seconds)
+                note = (f"{first.role} failed first; {len(waiting)} other rank(s) were still running "
+                        "(stacks below, then killed):\n" + report.to_text())
+            self._relay(the_runner, children)
+            try:
+                runner.raise_outcome(the_runner, first)
+            except BaseException as exc:
+                if note:
+                    exc.add_note(note)
+                raise
+        if left <= 0 and any(the_runner.is_running(c) for c in children):
+            report = runner.hang_report(the_runner, children, f"{label} in {self._test_id}", seconds)
+            self._relay(the_runner, children)
+            runner.raise_hang(report)
+        self._relay(the_runner, children)
+        return [runner.raise_outcome(the_runner, c) for c in children]
+
+
+def run_isolated(the_runner: runner.Runner, function: Any, funcargs: dict[str, Any], test_id: str,
+                 timeout: float) -> None:
+    """Run a whole test body in a child (``@pytest.mark.torch_hang(isolate=True)``)."""
+    check_picklable(function, f"the isolated test {test_id}")
+    for name, value in funcargs.items():
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"isolate=True runs {test_id} in a child process, so its fixture values must be "
+                f"picklable; {name!r} is not ({type(exc).__name__}: {exc})"
+            ) from None
+    hang = TorchHang(lambda: the_runner, test_id, None)
+    hang._run_one(jobs.call_test, (function, funcargs), {}, timeout=timeout, start_method=None, env=None,
+                  label=f"isolated test {test_id}")

@@ -1,0 +1,335 @@
+"""Run picklable callables in child processes under a deadline: result, exception, crash or hang.
+
+Children start from a warm zygote by default (torch imported once per session, a fork per run),
+or with ``spawn`` / ``forkserver``. Outcomes travel through files (see ``child.py``). A hang is
+handled by the same guard pipeline as a hung test: every process of the children's trees is
+captured, labelled and killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pickle
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from . import guard
+from ._hook import DUMP_DIR_ENV
+from .child import Outcome
+from .exceptions import ChildCrashed, HangError, RemoteTraceback
+from .proctree import ProcessId, same_process
+
+START_METHODS = ("zygote", "spawn", "forkserver")
+#: How long the zygote may take to import torch and say READY.
+ZYGOTE_START_S = 120.0
+#: How long one fork request may take to be answered.
+ZYGOTE_FORK_S = 10.0
+_INJECT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inject")
+
+
+def signal_description(code: int) -> str:
+    """``SIGSEGV`` for -11; SIGKILL also says who usually sends it."""
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if name == "SIGKILL":
+        name += " (possibly the OOM killer)"
+    return name
+
+
+class Zygote:
+    """The client of one zygote process (see ``zygote.py``)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest_torchhang.zygote"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        )
+        self._buffer = b""
+        self.exits: dict[int, int] = {}
+        self._pids: dict[str, int] = {}
+        self._wait_for(lambda: self._ready, ZYGOTE_START_S, "to start (import torch)")
+
+    _ready = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _pump(self, timeout: float) -> None:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        ready, _, _ = select.select([fd], [], [], max(timeout, 0.0))
+        if not ready:
+            return
+        data = os.read(fd, 65536)
+        if not data:
+            raise RuntimeError("the pytest-torchhang zygote exited unexpectedly")
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            words = line.decode().split()
+            if words[:1] == ["READY"]:
+                self._ready = True
+            elif words[:1] == ["PID"]:
+                self._pids[words[1]] = int(words[2])
+            elif words[:1] == ["EXIT"]:
+                self.exits[int(words[1])] = int(words[2])
+
+    def _wait_for(self, done: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.alive():
+                raise RuntimeError(f"the pytest-torchhang zygote did not manage {what} in {timeout:.0f}s")
+            self._pump(min(remaining, 0.5))
+
+    def fork(self, request_path: str) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(request_path.encode() + b"\n")
+        self.proc.stdin.flush()
+        self._wait_for(lambda: request_path in self._pids, ZYGOTE_FORK_S, "to fork a child")
+        return self._pids.pop(request_path)
+
+    def poll(self) -> None:
+        """Read whatever events are there, without blocking."""
+        if self.alive():
+            self._pump(0)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=3.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=3.0)
+        with contextlib.suppress(OSError):
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+
+
+@dataclass
+class Child:
+    """One started child and where its outcome will appear."""
+
+    ident: ProcessId
+    role: str
+    method: str
+    result_path: str
+    crash_path: str
+    output_path: str
+    popen: subprocess.Popen[bytes] | None = None
+    mp_process: Any = None
+    exitcode: int | None = None
+    outcome: Outcome | None = None
+    started: float = field(default_factory=time.monotonic)
+    ended: float = float("inf")
+
+    @property
+    def pid(self) -> int:
+        return self.ident.pid
+
+
+class Runner:
+    """The session's subprocess runner: one work directory, one zygote started on first use."""
+
+    _ids = itertools.count()
+
+    def __init__(self) -> None:
+        self.workdir = tempfile.mkdtemp(prefix="torchhang-run-")
+        self.dump_dir = os.path.join(self.workdir, "dumps")
+        os.mkdir(self.dump_dir)
+        self._zygote: Zygote | None = None
+
+    def helper_pids(self) -> set[int]:
+        """Processes of the runner itself, never part of a test's tree."""
+        return {self._zygote.pid} if self._zygote is not None and self._zygote.alive() else set()
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[DUMP_DIR_ENV] = self.dump_dir
+        path = env.get("PYTHONPATH", "")
+        if _INJECT_DIR not in path.split(os.pathsep):
+            env["PYTHONPATH"] = _INJECT_DIR + (os.pathsep + path if path else "")
+        return env
+
+    def zygote(self) -> Zygote:
+        """The zygote, (re)started when needed: a dead one is replaced, never reused."""
+        if self._zygote is None or not self._zygote.alive():
+            if self._zygote is not None:
+                self._zygote.close()
+            self._zygote = Zygote(self._child_env())
+        return self._zygote
+
+    def start(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, method: str,
+              role: str, env: dict[str, str | None] | None = None) -> Child:
+        """Start one child running ``fn(*args, **kwargs)``; pickling errors are raised here."""
+        if method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {method!r}")
+        payload = pickle.dumps((fn, args, kwargs))
+        n = next(self._ids)
+        base = os.path.join(self.workdir, f"{os.getpid()}-{n}")
+        child_env: dict[str, str | None] = {DUMP_DIR_ENV: self.dump_dir, **(env or {})}
+        header = (f"{base}.result", f"{base}.crash", self.dump_dir, role, child_env, list(sys.path),
+                  os.getcwd(), f"{base}.out")
+        request = f"{base}.request"
+        with open(request, "wb") as out:
+            pickle.dump(header, out)
+            out.write(payload)
+        popen = mp_process = None
+        if method == "zygote":
+            pid = self.zygote().fork(request)
+        elif method == "spawn":
+            spawn_env = self._child_env()
+            for key, value in (env or {}).items():
+                if value is None:
+                    spawn_env.pop(key, None)
+                else:
+                    spawn_env[key] = value
+            popen = subprocess.Popen([sys.executable, "-m", "pytest_torchhang.child", request], env=spawn_env)
+            pid = popen.pid
+        else:
+            import multiprocessing
+
+            from .child import run_request
+
+            mp_process = multiprocessing.get_context("forkserver").Process(
+                target=run_request, args=(request,), name=role, daemon=False
+            )
+            mp_process.start()
+            pid = mp_process.pid
+        try:
+            ident = ProcessId(pid, psutil.Process(pid).create_time())
+        except psutil.Error:
+            ident = ProcessId(pid, 0.0)
+        return Child(ident, role, method, f"{base}.result", f"{base}.crash", f"{base}.out",
+                     popen=popen, mp_process=mp_process)
+
+    def poll(self, child: Child) -> bool:
+        """True once the child has exited (its exit code and outcome are then set)."""
+        if child.exitcode is not None:
+            return True
+        code: int | None = None
+        if child.popen is not None:
+            code = child.popen.poll()
+        elif child.mp_process is not None:
+            code = child.mp_process.exitcode
+        elif self._zygote is not None:
+            self._zygote.poll()
+            code = self._zygote.exits.pop(child.pid, None)
+            if code is None and not self._zygote.alive():
+                code = -signal.SIGKILL  # the zygote died and took its children along
+        if code is None:
+            return False
+        child.exitcode = code
+        child.ended = time.monotonic()
+        with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), open(child.result_path, "rb") as raw:
+            child.outcome = pickle.load(raw)
+        return True
+
+    def is_running(self, child: Child) -> bool:
+        if self.poll(child):
+            return False
+        try:
+            return same_process(psutil.Process(child.pid), child.ident)
+        except psutil.Error:
+            return False
+
+    def output(self, child: Child) -> str:
+        with contextlib.suppress(OSError), open(child.output_path, errors="replace") as out:
+            return out.read()
+        return ""
+
+    def close(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error: bool) -> float:
+    """Wait (bounded) until every child exits, or one fails when ``stop_on_error``.
+
+    Returns the time left (<= 0: the deadline passed with children still running).
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        running = [c for c in children if not runner.poll(c)]
+        if not running:
+            return deadline - time.monotonic()
+        if stop_on_error and any(c.exitcode is not None and not (c.outcome and c.outcome.ok) for c in children):
+            return deadline - time.monotonic()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return left
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.02)
+
+
+def hang_report(runner: Runner, children: list[Child], label: str, timeout: float) -> guard.HangReport:
+    """Capture and kill the trees of ``children`` that still run; the report says where they were."""
+    live = [c for c in children if runner.is_running(c)]
+    target = guard.GuardTarget(
+        test_id=label, timeout_s=timeout, root_pid=os.getpid(), dump_dir=runner.dump_dir,
+        started=min(c.started for c in children), roots=[c.pid for c in live],
+        exclude=runner.helper_pids(), root_in_process=False, kill_root=True, root_role="",
+    )
+    report = guard.capture(target)
+    guard.kill(target, report)
+    for child in live:  # reap our own (spawn) children and let the zygote report the rest
+        runner.poll(child)
+        if child.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.popen.wait(timeout=2.0)
+        if child.mp_process is not None:
+            child.mp_process.join(timeout=2.0)
+    return report
+
+
+def raise_outcome(runner: Runner, child: Child) -> Any:
+    """The child's result, or its exception (with the remote traceback), or ChildCrashed."""
+    outcome = child.outcome
+    if outcome is not None and outcome.ok:
+        return outcome.value
+    if outcome is not None:
+        exc = outcome.value if isinstance(outcome.value, BaseException) else RuntimeError(
+            f"{outcome.exc_type}: {outcome.exc_message}"
+        )
+        exc.__cause__ = RemoteTraceback(outcome.traceback)
+        exc.add_note(f"raised in {child.role} (pid {child.pid}); its traceback is shown above")
+        raise exc
+    code = child.exitcode if child.exitcode is not None else -signal.SIGKILL
+    crash = ""
+    with contextlib.suppress(OSError), open(child.crash_path, errors="replace") as trace:
+        crash = trace.read()
+    if code < 0:
+        sig = signal_description(code)
+        message = f"{child.role} (pid {child.pid}) was killed by {sig}"
+        raise ChildCrashed(message, signal=sig.split()[0], exitcode=code, crash_trace=crash)
+    raise ChildCrashed(
+        f"{child.role} (pid {child.pid}) exited with code {code} without returning a result",
+        exitcode=code, crash_trace=crash,
+    )
+
+
+def raise_hang(report: guard.HangReport) -> None:
+    raise HangError(report.to_text(), report)

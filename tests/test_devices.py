@@ -1,0 +1,533 @@
+"""gpu/cpu markers, GPU detection without CUDA, GPU leases under pytest-xdist, fake GPUs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_torchhang import devices
+
+FAKE = devices.FAKE_GPUS_ENV
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench" / "gpu_check.py"
+
+# Inner-session helper: a test body that holds its GPUs for a while and writes down what it saw.
+RECORDING_CONFTEST = """
+import json, os, time
+import pytest
+from pytest_torchhang.devices import leased_gpus
+
+@pytest.fixture
+def hold(request):
+    def run(seconds=0.25):
+        start = time.monotonic()
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        time.sleep(seconds)
+        record = dict(
+            test=request.node.name, worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            pid=os.getpid(), cvd=seen, leased=leased_gpus(request.node),
+            start=start, end=time.monotonic(),
+        )
+        with open(os.path.join({records!r}, f"{{os.getpid()}}-{{time.monotonic_ns()}}.json"), "w") as out:
+            json.dump(record, out)
+    return run
+"""
+
+
+@pytest.fixture(autouse=True)
+def clean_device_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inner sessions start from no fake GPUs, no lease or hang timeout from the outer shell."""
+    for name in (FAKE, devices.LEASE_TIMEOUT_ENV, "PYTEST_TORCH_HANG_TIMEOUT", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+
+
+def recording_session(pytester: pytest.Pytester, tests: str) -> Path:
+    records = pytester.path / "records"
+    records.mkdir()
+    pytester.makeconftest(RECORDING_CONFTEST.format(records=str(records)))
+    pytester.makepyfile(test_gpus="import os, pytest\n\n" + textwrap.dedent(tests))
+    return records
+
+
+def load_records(records: Path) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for path in sorted(records.iterdir())]
+
+
+def assert_no_device_shared_while_overlapping(records: list[dict[str, Any]]) -> int:
+    """No two tests whose bodies overlapped in time saw a common device; returns the overlaps."""
+    overlaps = 0
+    for a, b in itertools.combinations(records, 2):
+        if a["start"] < b["end"] and b["start"] < a["end"]:
+            overlaps += 1
+            shared = set(a["cvd"].split(",")) & set(b["cvd"].split(","))
+            assert not shared, f"{a['test']} and {b['test']} ran at once on GPUs {shared}"
+    return overlaps
+
+
+# --- skipping -----------------------------------------------------------------------------
+
+
+def test_a_gpu_test_is_skipped_with_need_and_supply_when_too_few_gpus_are_visible(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAKE, "1")
+    pytester.makepyfile(
+        """
+        import os, pytest
+
+        @pytest.mark.gpu(2)
+        def test_two():
+            pass
+
+        @pytest.mark.gpu(count=5)
+        class TestFive:
+            def test_in_class(self):
+                pass
+
+        @pytest.mark.gpu
+        def test_one():
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+        """
+    )
+    result = pytester.runpytest_subprocess("-rs")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED * needs 2 CUDA GPUs, found 1 (fake: PYTEST_TORCH_HANG_FAKE_GPUS=1)",
+            "SKIPPED * needs 5 CUDA GPUs, found 1 (fake: *)",
+        ],
+        consecutive=False,
+    )
+
+
+def test_cuda_visible_devices_empty_means_no_gpus_whatever_the_machine_has(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    pytester.makepyfile("import pytest\n\n@pytest.mark.gpu\ndef test_one():\n    pass\n")
+    result = pytester.runpytest_subprocess("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * needs 1 CUDA GPU, found 0 (*)"])
+
+
+def test_detection_and_skipping_neither_import_torch_nor_initialise_cuda(
+    pytester: pytest.Pytester,
+) -> None:
+    # Real detection (no fake GPUs): on a GPU machine test_one runs, here it is skipped.
+    pytester.makepyfile(
+        """
+        import sys, pytest
+
+        @pytest.mark.gpu(64)
+        def test_never_enough():
+            pass
+
+        @pytest.mark.gpu
+        def test_one():
+            assert "torch" not in sys.modules
+
+        def test_z_cuda_is_untouched():
+            assert "torch" not in sys.modules, "the plugin imported torch at start-up"
+            import torch
+            assert not torch.cuda.is_initialized()
+        """
+    )
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:randomly")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes.get("errors", 0) == 0, result.stdout.str()
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 3
+    result.stdout.fnmatch_lines(["SKIPPED * needs 64 CUDA GPUs, found *"])
+
+
+# --- invalid input ------------------------------------------------------------------------
+
+INVALID_MARKERS = {
+    "zero": ("gpu(0)", "@pytest.mark.gpu on test_zero.py::test_it: count must be a whole*got 0;*"),
+    "negative": ("gpu(-2)", "*test_negative.py::test_it: count must be a whole*got -2;*"),
+    "float": ("gpu(1.5)", "*test_float.py::test_it: count must be a whole*got 1.5;*"),
+    "text": ("gpu('2')", "*test_text.py::test_it: count must be a whole*got '2';*"),
+    "bool": ("gpu(True)", "*test_bool.py::test_it: count must be a whole*got True;*"),
+    "two_args": ("gpu(1, 2)", "*test_two_args.py::test_it: takes one argument, gpu(count=1)*"),
+    "bad_kw": ("gpu(n=2)", "*test_bad_kw.py::test_it: takes one argument, gpu(count=1)*"),
+    "cpu_args": ("cpu(1)", "@pytest.mark.cpu on test_cpu_args.py::test_it: takes no arguments*"),
+    "both": ("cpu\n@pytest.mark.gpu", "*test_both.py::test_it: *both cpu and gpu; keep one"),
+}
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["plain", "xdist"])
+def test_invalid_marker_arguments_are_collection_errors_naming_test_and_marker(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, xdist: bool
+) -> None:
+    monkeypatch.setenv(FAKE, "2")
+    for name, (marker, _) in INVALID_MARKERS.items():
+        pytester.makepyfile(
+            **{f"test_{name}": f"import pytest\n\n@pytest.mark.{marker}\ndef test_it():\n    pass\n"}
+        )
+    pytester.makepyfile(test_fine="def test_fine():\n    pass\n")
+    result = pytester.runpytest_subprocess(*(["-n", "2"] if xdist else []))
+    result.assert_outcomes(errors=len(INVALID_MARKERS))
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    for _, pattern in INVALID_MARKERS.values():
+        result.stdout.fnmatch_lines([pattern])
+
+
+@pytest.mark.parametrize("value", ["two", "-1", "1.5"])
+def test_an_invalid_fake_gpu_count_is_a_usage_error_naming_the_variable(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(FAKE, value)
+    pytester.makepyfile("def test_one():\n    pass\n")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [f"ERROR: environment variable {FAKE} must be a whole number of fake GPUs >= 0, got '{value}'*"]
+    )
+
+
+def test_an_invalid_lease_timeout_is_a_usage_error_naming_the_ini_key(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeini("[pytest]\ntorch_hang_gpu_lease_timeout = soon\n")
+    pytester.makepyfile("def test_one():\n    pass\n")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini option torch_hang_gpu_lease_timeout must be*'soon'"])
+
+
+# --- cpu marker ---------------------------------------------------------------------------
+
+
+def test_a_cpu_test_hides_cuda_from_its_child_processes_and_gives_it_back_after(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    pytester.makepyfile(
+        """
+        import os, subprocess, sys, pytest
+
+        CHILD = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+
+        @pytest.fixture
+        def seen_in_teardown():
+            yield
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+        @pytest.mark.cpu
+        def test_cpu(seen_in_teardown):
+            out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True)
+            assert out.stdout.strip() == "''"
+
+        def test_after():
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+
+
+# --- report header ------------------------------------------------------------------------
+
+
+def test_the_report_header_shows_torch_cuda_gpus_and_timeout_in_one_line(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.metadata
+
+    version = importlib.metadata.version("torch")
+    monkeypatch.setenv(FAKE, "4")
+    pytester.makepyfile("def test_one():\n    pass\n")
+    result = pytester.runpytest_subprocess("--torch-hang-timeout=30")
+    result.stdout.fnmatch_lines(
+        [
+            f"torch-hang: torch {version}, CUDA available: yes, "
+            f"GPUs: 4 (fake: {FAKE}=4), timeout 30s (from command line)"
+        ]
+    )
+    monkeypatch.setenv(FAKE, "0")
+    result = pytester.runpytest_subprocess()
+    result.stdout.fnmatch_lines(
+        [f"torch-hang: torch {version}, CUDA available: no, GPUs: 0 (fake: *), timeout off"]
+    )
+
+
+# --- leases -------------------------------------------------------------------------------
+
+
+def test_under_xdist_tests_running_at_the_same_time_never_share_a_gpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAKE, "4")
+    monkeypatch.setenv(devices.LEASE_TIMEOUT_ENV, "30")
+    records = recording_session(
+        pytester,
+        """
+        @pytest.mark.parametrize("i", range(6))
+        @pytest.mark.gpu
+        def test_one(hold, i):
+            hold()
+
+        @pytest.mark.parametrize("i", range(4))
+        @pytest.mark.gpu(2)
+        def test_two(hold, i):
+            hold()
+
+        @pytest.mark.gpu(4)
+        def test_all(hold):
+            hold()
+
+        @pytest.mark.gpu(5)
+        def test_too_many(hold):
+            hold()
+
+        def test_unmarked(hold):
+            hold()
+        """,
+    )
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess("-n", "2", f"--junitxml={junit}", "-rs")
+    result.assert_outcomes(passed=12, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * needs 5 CUDA GPUs, found 4 (fake: *)"])
+
+    seen = load_records(records)
+    gpu_records = [r for r in seen if r["test"] != "test_unmarked"]
+    assert {r["worker"] for r in seen} == {"gw0", "gw1"}
+    for record in gpu_records:
+        wanted = {"test_one": 1, "test_two": 2, "test_all": 4}[record["test"].split("[")[0]]
+        assert len(record["cvd"].split(",")) == wanted, record
+        assert record["leased"] == [int(i) for i in record["cvd"].split(",")], record
+    (unmarked,) = (r for r in seen if r["test"] == "test_unmarked")
+    assert unmarked["leased"] is None and unmarked["cvd"] is None
+    overlaps = assert_no_device_shared_while_overlapping(gpu_records)
+    assert overlaps > 0, "the two workers never ran gpu tests at the same time"
+
+    properties = {
+        case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}
+        for case in ET.parse(junit).getroot().iter("testcase")
+    }
+    assert properties["test_all"]["torch_hang_gpus"] == "0,1,2,3"
+    assert float(properties["test_all"]["torch_hang_gpu_wait_s"]) >= 0
+
+
+def test_gpus_held_by_a_crashed_worker_are_freed_for_its_replacement_and_the_rest(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAKE, "4")
+    monkeypatch.setenv(devices.LEASE_TIMEOUT_ENV, "20")
+    records = recording_session(
+        pytester,
+        """
+        @pytest.mark.gpu(4)
+        def test_a_crash(hold):
+            hold(0.5)
+            os._exit(3)  # the worker dies holding every GPU
+
+        @pytest.mark.parametrize("i", range(8))
+        @pytest.mark.gpu(2)
+        def test_two(hold, i):
+            hold(0.2)
+        """,
+    )
+    result = pytester.runpytest_subprocess("-n", "2", "--max-worker-restart=2", "-p", "no:randomly")
+    result.assert_outcomes(passed=8, failed=1)
+    result.stdout.fnmatch_lines(["*worker 'gw*' crashed while running 'test_gpus.py::test_a_crash'*"])
+    seen = load_records(records)
+    assert len(seen) == 9
+    assert_no_device_shared_while_overlapping(seen)
+    crash = next(r for r in seen if r["test"] == "test_a_crash")
+    after = [r for r in seen if r["start"] > crash["end"]]
+    assert after, "no gpu test ran after the crash"
+    assert {r["worker"] for r in seen} - {"gw0", "gw1"}, "the replacement worker ran no test"
+
+
+def test_a_test_that_waits_too_long_for_gpus_errors_naming_who_holds_them(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAKE, "1")
+    pytester.makeini("[pytest]\ntorch_hang_gpu_lease_timeout = 0.3\n")
+    pytester.makepyfile(
+        """
+        import os, pytest
+
+        HELD = []
+
+        def test_a_holder(request):
+            plugin = request.config.pluginmanager.get_plugin("torchhang-devices")
+            HELD.append(plugin.leaser.acquire(1, 1, 0, "the holder test"))
+
+        @pytest.mark.gpu
+        def test_b_waits():
+            pass
+
+        def test_c_release():
+            HELD.pop().release()
+
+        @pytest.mark.gpu
+        def test_d_after():
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+        """
+    )
+    result = pytester.runpytest_subprocess("--strict-config", "-p", "no:randomly")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_b_waits*",
+            "*test_b_waits: gave up waiting for 1 of 1 GPUs after 0.3s "
+            "(torch_hang_gpu_lease_timeout / *); GPU 0 held by the holder test",
+        ]
+    )
+
+
+def test_once_a_gpu_test_initialised_cuda_in_process_later_gpu_tests_keep_its_gpus(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAKE, "4")
+    monkeypatch.setenv(devices.LEASE_TIMEOUT_ENV, "0.3")
+    # A stand-in for torch whose CUDA "initialises" in test_a: importing torch costs 3 s.
+    pytester.makeconftest(
+        """
+        import sys, types
+
+        STATE = {"cuda": False}
+        sys.modules["torch"] = types.SimpleNamespace(
+            cuda=types.SimpleNamespace(is_initialized=lambda: STATE["cuda"])
+        )
+        """
+    )
+    pytester.makepyfile(
+        """
+        import os, pytest
+        from conftest import STATE
+
+        HELD = []
+
+        @pytest.mark.gpu
+        def test_a_initialises_cuda():
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+            STATE["cuda"] = True
+
+        @pytest.mark.gpu
+        def test_b_gets_the_same_gpu():
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+
+        def test_c_someone_else_takes_gpu_0(request):
+            plugin = request.config.pluginmanager.get_plugin("torchhang-devices")
+            HELD.append(plugin.leaser.acquire(1, 4, 0, "another worker", [0]))
+
+        @pytest.mark.gpu
+        def test_d_waits_for_gpu_0_not_another():
+            pass
+
+        @pytest.mark.gpu(2)
+        def test_e_cannot_have_two_gpus_in_this_process():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=3, errors=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_d_waits_for_gpu_0_not_another: gave up waiting for 1 of GPUs 0 after 0.3s"
+            "*GPU 0 held by another worker",
+            "*test_e_cannot_have_two_gpus_in_this_process: CUDA was initialised in this pytest "
+            "process (main) during *test_a_initialises_cuda, with GPU(s) 0 of its lease;*",
+        ],
+        consecutive=False,
+    )
+
+
+def test_a_lease_prefers_the_candidates_given_in_order(tmp_path: Path) -> None:
+    leaser = devices.GpuLeaser(str(tmp_path / "leases"))
+    assert leaser.acquire(2, 4, 0, "a", [3, 1, 0, 2]).indices == (3, 1)
+    with pytest.raises(devices.LeaseTimeout, match=r"1 of GPUs 3 after 0s.*GPU 3 held by a"):
+        leaser.acquire(1, 4, 0, "b", [3])
+
+
+def test_a_lease_is_all_or_nothing_and_ends_with_release(tmp_path: Path) -> None:
+    leaser = devices.GpuLeaser(str(tmp_path / "leases"))
+    first = leaser.acquire(3, 4, 0, "first")
+    assert first.indices == (0, 1, 2)
+    with pytest.raises(devices.LeaseTimeout, match=r"2 of 4 GPUs.*GPU 0 held by first"):
+        leaser.acquire(2, 4, 0.1, "second")
+    single = leaser.acquire(1, 4, 0, "third")  # the failed request kept nothing
+    assert single.indices == (3,)
+    first.release()
+    first.release()
+    assert leaser.acquire(3, 4, 0, "fourth").indices == (0, 1, 2)
+
+
+# --- detection, as plain functions --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "physical", "expected"),
+    [
+        (None, 3, ("0", "1", "2")),
+        ("", 3, ()),
+        ("2,0", 3, ("2", "0")),
+        (" 1 , 2", 4, ("1", "2")),
+        ("1,7,2", 4, ("1",)),  # stops at the first device that does not exist
+        ("1,-1,2", 4, ("1",)),
+        ("1,1", 4, ()),  # a repeated device hides them all
+        ("0", 0, ()),
+        ("GPU-aa,GPU-bb", 2, ("GPU-aa", "GPU-bb")),
+        ("MIG-1,MIG-2,0", 1, ("MIG-1", "MIG-2")),
+    ],
+)
+def test_cuda_visible_devices_is_read_the_way_cuda_reads_it(
+    value: str | None, physical: int, expected: tuple[str, ...]
+) -> None:
+    assert devices.visible_devices(value, physical) == expected
+
+
+def test_fake_gpus_override_detection_and_cuda_visible_devices() -> None:
+    inventory = devices.detect_gpus({FAKE: "3", "CUDA_VISIBLE_DEVICES": ""})
+    assert (inventory.count, inventory.devices, inventory.fake) == (3, ("0", "1", "2"), True)
+
+
+def test_the_torch_build_is_read_without_importing_torch() -> None:
+    code = (
+        "import sys; from pytest_torchhang import devices; b = devices.torch_build(); "
+        "assert 'torch' not in sys.modules; print(b.version, b.known)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    import importlib.metadata
+
+    assert out.stdout.split() == [importlib.metadata.version("torch"), "True"]
+
+
+# --- bench/gpu_check.py -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fake", [None, "2"])
+def test_the_gpu_check_exits_cleanly_where_there_is_no_real_gpu(
+    monkeypatch: pytest.MonkeyPatch, fake: str | None
+) -> None:
+    if devices.detect_gpus({}).count and fake is None:
+        pytest.skip("a real GPU is present: run bench/gpu_check.py itself")
+    env = dict(os.environ)
+    if fake is not None:
+        env[FAKE] = fake
+    out = subprocess.run(
+        [sys.executable, str(BENCH)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no real GPU" in out.stdout
+
+
+def test_the_gpu_check_scenarios_are_valid_python() -> None:
+    namespace: dict[str, Any] = {"__name__": "gpu_check"}
+    exec(compile(BENCH.read_text(), str(BENCH), "exec"), namespace)
+    for scenario in namespace["SCENARIOS"]:
+        for name, source in scenario.files.items():
+            compile(source, f"{scenario.name}/{name}", "exec")
