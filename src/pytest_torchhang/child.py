@@ -15,12 +15,17 @@ import faulthandler
 import os
 import pickle
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from . import _hook
 from .proctree import become_subreaper, die_with_parent, kill_tree
+
+
+#: Seconds a child that failed waits (its outcome already written) before it exits.
+LINGER_ENV = "PYTEST_TORCH_HANG_LINGER"
 
 
 @dataclass
@@ -89,6 +94,11 @@ def run_request(request_path: str) -> int:
             traceback="".join(traceback.format_exception(exc)),
         )
     _write_outcome(result_path, outcome)
+    linger = os.environ.get(LINGER_ENV)
+    if not outcome.ok and linger:
+        # A failed rank stays a moment, its connections open, so the parent can take the stacks
+        # of the ranks still waiting for it in a collective before they notice it is gone.
+        time.sleep(min(float(linger), 30.0))
     kill_tree(os.getpid(), budget_s=3.0)  # whatever the job left running dies with it
     sys.stdout.flush()
     sys.stderr.flush()

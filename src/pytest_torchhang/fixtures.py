@@ -11,13 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 from . import jobs, runner
+from .child import LINGER_ENV
 from .jobs import LoaderStats
 
 #: The bound of fixture calls when neither the call nor the test has a timeout.
 DEFAULT_TIMEOUT_S = 60.0
 #: A call's deadline stays this far inside the test's own, so the call reports first.
 MARGIN_S = 0.5
-#: After the first rank fails, how long the others get to finish before their stacks are taken.
+#: A rank that failed lingers up to 10 times this (killed as soon as its peers' stacks are taken).
 PEER_GRACE_S = 0.5
 
 __all__ = ["LoaderStats", "TorchHang"]
@@ -144,7 +145,7 @@ class TorchHang:
         for rank in range(world_size):
             env: dict[str, str | None] = {
                 "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                "TORCH_HANG_BACKEND": backend,
+                "TORCH_HANG_BACKEND": backend, LINGER_ENV: str(PEER_GRACE_S * 10),
             }
             if backend == "nccl":
                 env["CUDA_VISIBLE_DEVICES"] = str(gpus[rank])
@@ -155,16 +156,16 @@ class TorchHang:
             ))
         label = f"torch_hang.distributed({_name(fn)}, world_size={world_size})"
         left = runner.wait(the_runner, children, seconds, stop_on_error=True)
-        failed = [c for c in children if c.exitcode is not None and not (c.outcome and c.outcome.ok)]
+        failed = [c for c in children if the_runner.failed(c)]
         if failed:
-            runner.wait(the_runner, children, min(PEER_GRACE_S, max(left, 0.05)), stop_on_error=False)
             first = min(failed, key=lambda c: c.ended)
-            waiting = [c for c in children if the_runner.is_running(c)]
+            waiting = [c for c in children if c not in failed and the_runner.is_running(c)]
             note = ""
             if waiting:
                 report = runner.hang_report(the_runner, waiting, f"{label} in {self._test_id}", seconds)
                 note = (f"{first.role} failed first; {len(waiting)} other rank(s) were still running "
                         "(stacks below, then killed):\n" + report.to_text())
+            runner.stop(the_runner, children)
             self._relay(the_runner, children)
             try:
                 runner.raise_outcome(the_runner, first)

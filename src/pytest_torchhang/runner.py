@@ -240,10 +240,24 @@ class Runner:
         if code is None:
             return False
         child.exitcode = code
-        child.ended = time.monotonic()
-        with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), open(child.result_path, "rb") as raw:
-            child.outcome = pickle.load(raw)
+        child.ended = min(child.ended, time.monotonic())
+        self.peek(child)
         return True
+
+    def peek(self, child: Child) -> Outcome | None:
+        """The child's outcome as soon as it is written, even while the child still runs."""
+        if child.outcome is None and os.path.exists(child.result_path):
+            with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), open(child.result_path, "rb") as raw:
+                child.outcome = pickle.load(raw)
+                child.ended = min(child.ended, time.monotonic())
+        return child.outcome
+
+    def failed(self, child: Child) -> bool:
+        """The child raised (outcome written) or died without a result."""
+        outcome = self.peek(child)
+        if outcome is not None:
+            return not outcome.ok
+        return self.poll(child)
 
     def is_running(self, child: Child) -> bool:
         if self.poll(child):
@@ -276,7 +290,7 @@ def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error
         running = [c for c in children if not runner.poll(c)]
         if not running:
             return deadline - time.monotonic()
-        if stop_on_error and any(c.exitcode is not None and not (c.outcome and c.outcome.ok) for c in children):
+        if stop_on_error and any(runner.failed(c) for c in children):
             return deadline - time.monotonic()
         left = deadline - time.monotonic()
         if left <= 0:
@@ -295,14 +309,33 @@ def hang_report(runner: Runner, children: list[Child], label: str, timeout: floa
     )
     report = guard.capture(target)
     guard.kill(target, report)
-    for child in live:  # reap our own (spawn) children and let the zygote report the rest
-        runner.poll(child)
+    _reap(runner, live)
+    return report
+
+
+def stop(runner: Runner, children: list[Child]) -> None:
+    """Kill (identity-checked, with their trees) the children that still run, and reap them."""
+    live = [c for c in children if runner.is_running(c)]
+    if not live:
+        return
+    target = guard.GuardTarget(
+        test_id="", timeout_s=0, root_pid=os.getpid(), dump_dir=None, roots=[c.pid for c in live],
+        exclude=runner.helper_pids(), root_in_process=False, kill_root=True,
+    )
+    guard.kill(target)
+    _reap(runner, live)
+
+
+def _reap(runner: Runner, children: list[Child]) -> None:
+    deadline = time.monotonic() + 2.0
+    for child in children:
         if child.popen is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                child.popen.wait(timeout=2.0)
+                child.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
         if child.mp_process is not None:
-            child.mp_process.join(timeout=2.0)
-    return report
+            child.mp_process.join(timeout=max(deadline - time.monotonic(), 0.01))
+        while not runner.poll(child) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 def raise_outcome(runner: Runner, child: Child) -> Any:
