@@ -95,7 +95,7 @@ def cuda_stuck(index):
     torch.cuda.synchronize()
 '''
 
-MARKERS = '''
+MARKERS = """
 import os
 import subprocess
 import sys
@@ -138,9 +138,9 @@ def test_gpu1_runs_on_one_leased_gpu(request):
 @pytest.mark.gpu(1024)
 def test_never_enough_gpus():
     pass
-'''
+"""
 
-DATALOADER = '''
+DATALOADER = """
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -163,9 +163,9 @@ def test_cuda_dataloader_with_pinned_memory(workers):
         assert batch.is_pinned()
         total += batch.cuda(non_blocking=True).sum().item()
     assert total == 1024 * sum(range(256))
-'''
+"""
 
-NCCL_STEP = '''
+NCCL_STEP = """
 import json
 import os
 
@@ -184,9 +184,9 @@ def test_two_rank_nccl_step(tmp_path):
     )
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert seen[0]["uuid"] != seen[1]["uuid"], "both ranks ran on one GPU"
-'''
+"""
 
-NCCL_HANG = '''
+NCCL_HANG = """
 import pytest
 import torch.multiprocessing as mp
 
@@ -199,9 +199,9 @@ def test_rank_stuck_in_nccl_all_reduce(tmp_path):
         ranks.nccl_stuck, args=(2, str(tmp_path / "store")), nprocs=2, join=True,
         start_method="spawn",
     )
-'''
+"""
 
-CUDA_HANG = '''
+CUDA_HANG = """
 import pytest
 import torch.multiprocessing as mp
 
@@ -211,9 +211,9 @@ import ranks
 @pytest.mark.gpu
 def test_cuda_kernel_never_finishes():
     mp.start_processes(ranks.cuda_stuck, nprocs=1, join=True, start_method="spawn")
-'''
+"""
 
-XDIST_LEASES = '''
+XDIST_LEASES = """
 import json
 import os
 import subprocess
@@ -238,7 +238,7 @@ def test_leased_gpu(i):
                   worker=os.environ.get("PYTEST_XDIST_WORKER"))
     with open(os.path.join(RECORDS, f"{i}.json"), "w") as out:
         json.dump(record, out)
-'''
+"""
 
 
 def _check_xdist_records(directory: Path, output: str) -> list[str]:
@@ -254,8 +254,10 @@ def _check_xdist_records(directory: Path, output: str) -> list[str]:
         problems.append("all tests ran on one GPU")
     if not overlaps:
         problems.append("no two tests ran at the same time")
-    print(f"    xdist: {len(records)} tests, {overlaps} overlapping pairs, "
-          f"{len({r['uuid'] for r in records})} distinct GPUs")
+    print(
+        f"    xdist: {len(records)} tests, {overlaps} overlapping pairs, "
+        f"{len({r['uuid'] for r in records})} distinct GPUs"
+    )
     return problems
 
 
@@ -277,36 +279,59 @@ class Scenario:
 
 SCENARIOS = [
     Scenario(
-        "markers", "gpu(1) on one leased GPU, cpu hides CUDA from children, gpu(1024) skipped",
-        1, {"test_markers.py": MARKERS}, {"passed": 3, "skipped": 1},
+        "markers",
+        "gpu(1) on one leased GPU, cpu hides CUDA from children, gpu(1024) skipped",
+        1,
+        {"test_markers.py": MARKERS},
+        {"passed": 3, "skipped": 1},
         lines=("*needs 1024 CUDA GPUs, found *",),
     ),
     Scenario(
-        "dataloader", "CUDA DataLoader with pin_memory=True, in-process and 2 workers",
-        1, {"test_dataloader.py": DATALOADER}, {"passed": 2},
+        "dataloader",
+        "CUDA DataLoader with pin_memory=True, in-process and 2 workers",
+        1,
+        {"test_dataloader.py": DATALOADER},
+        {"passed": 2},
     ),
     Scenario(
-        "nccl_step", "2-rank nccl all_reduce, one rank per leased GPU",
-        2, {"ranks.py": RANKS, "test_nccl_step.py": NCCL_STEP}, {"passed": 1},
+        "nccl_step",
+        "2-rank nccl all_reduce, one rank per leased GPU",
+        2,
+        {"ranks.py": RANKS, "test_nccl_step.py": NCCL_STEP},
+        {"passed": 1},
     ),
     Scenario(
-        "cuda_hang", "a child stuck in torch.cuda.synchronize() caught with its stack",
-        1, {"ranks.py": RANKS, "test_cuda_hang.py": CUDA_HANG}, {"failed": 1},
-        lines=("*HANG after *test_cuda_kernel_never_finishes*", "*cuda_stuck*",
-               "*synchronize*"),
+        "cuda_hang",
+        "a child stuck in torch.cuda.synchronize() caught with its stack",
+        1,
+        {"ranks.py": RANKS, "test_cuda_hang.py": CUDA_HANG},
+        {"failed": 1},
+        lines=("*HANG after *test_cuda_kernel_never_finishes*", "*cuda_stuck*", "*synchronize*"),
         hang=True,
     ),
     Scenario(
-        "nccl_hang", "rank 0 stuck in an nccl all_reduce rank 1 never joins, caught with stacks",
-        2, {"ranks.py": RANKS, "test_nccl_hang.py": NCCL_HANG}, {"failed": 1},
-        lines=("*HANG after *test_rank_stuck_in_nccl_all_reduce*", "*nccl_stuck*",
-               "*synchronize*", "*sleep*"),
+        "nccl_hang",
+        "rank 0 stuck in an nccl all_reduce rank 1 never joins, caught with stacks",
+        2,
+        {"ranks.py": RANKS, "test_nccl_hang.py": NCCL_HANG},
+        {"failed": 1},
+        lines=(
+            "*HANG after *test_rank_stuck_in_nccl_all_reduce*",
+            "*nccl_stuck*",
+            "*synchronize*",
+            "*sleep*",
+        ),
         hang=True,
     ),
     Scenario(
-        "xdist_leases", "pytest -n 2: gpu(1) tests at the same time never share a GPU",
-        2, {"test_xdist_leases.py": XDIST_LEASES}, {"passed": 8},
-        args=("-n", "2"), needs_xdist=True, check=_check_xdist_records,
+        "xdist_leases",
+        "pytest -n 2: gpu(1) tests at the same time never share a GPU",
+        2,
+        {"test_xdist_leases.py": XDIST_LEASES},
+        {"passed": 8},
+        args=("-n", "2"),
+        needs_xdist=True,
+        check=_check_xdist_records,
     ),
 ]
 
@@ -357,13 +382,25 @@ def run_scenario(scenario: Scenario, root: Path, hang_timeout: float) -> Outcome
     junit = directory / "junit.xml"
     timeout_args = [f"--torch-hang-timeout={hang_timeout:g}"] if scenario.hang else []
     command = [
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-v",
-        f"--junitxml={junit}", *timeout_args, *scenario.args,
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        "-v",
+        f"--junitxml={junit}",
+        *timeout_args,
+        *scenario.args,
     ]
     start = time.monotonic()
     try:
         proc = subprocess.run(
-            command, cwd=directory, env=env, capture_output=True, text=True,
+            command,
+            cwd=directory,
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=hang_timeout * 4 + 300,
         )
         output = proc.stdout + proc.stderr
@@ -410,22 +447,30 @@ def _has_xdist() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("names", nargs="*", help="Scenarios to run (default: all)")
-    parser.add_argument("--timeout", type=float, default=45.0,
-                        help="--torch-hang-timeout of the hang scenarios, in seconds")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=45.0,
+        help="--torch-hang-timeout of the hang scenarios, in seconds",
+    )
     parser.add_argument("--keep", action="store_true", help="Keep the scenario directories")
     options = parser.parse_args(argv)
 
     inventory = devices.detect_gpus()
     if inventory.fake:
-        print(f"no real GPU present: {devices.FAKE_GPUS_ENV} is set (fake GPUs are a testing "
-              "aid for CPU machines); unset it on a GPU machine to run this check")
+        print(
+            f"no real GPU present: {devices.FAKE_GPUS_ENV} is set (fake GPUs are a testing "
+            "aid for CPU machines); unset it on a GPU machine to run this check"
+        )
         return 0
     if inventory.count == 0:
         print(f"no real GPU present ({inventory.describe()}): nothing to check here")
         return 0
     build = devices.torch_build()
-    print(f"torch {build.version} (CUDA {build.cuda}), {inventory.count} GPU(s): "
-          f"{','.join(inventory.devices)} from {inventory.source}")
+    print(
+        f"torch {build.version} (CUDA {build.cuda}), {inventory.count} GPU(s): "
+        f"{','.join(inventory.devices)} from {inventory.source}"
+    )
     unknown = set(options.names) - {s.name for s in SCENARIOS}
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; known: {[s.name for s in SCENARIOS]}")
@@ -444,8 +489,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  running {scenario.name}: {scenario.what} ...", flush=True)
                 outcomes.append(run_scenario(scenario, root, options.timeout))
             done = outcomes[-1]
-            print(f"{done.scenario.name:14} {done.status:28} {done.wall_s:7.1f}s  "
-                  f"{done.scenario.what}", flush=True)
+            print(
+                f"{done.scenario.name:14} {done.status:28} {done.wall_s:7.1f}s  "
+                f"{done.scenario.what}",
+                flush=True,
+            )
             for problem in done.problems:
                 print(f"    - {problem}")
             if done.problems:
@@ -456,8 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
     failed = [o.scenario.name for o in outcomes if o.status == "FAIL"]
-    print(f"{len(outcomes) - len(failed)} of {len(outcomes)} scenarios ok or skipped"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"{len(outcomes) - len(failed)} of {len(outcomes)} scenarios ok or skipped"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -66,8 +66,9 @@ class GuardedRunner:
         self.pytester = pytester
         self.monkeypatch = monkeypatch
 
-    def run(self, *args: str, timeout: float | None = 2, wait_s: float = 180,
-            grace_s: float = 10) -> Session:
+    def run(
+        self, *args: str, timeout: float | None = 2, wait_s: float = 180, grace_s: float = 10
+    ) -> Session:
         tag = uuid.uuid4().hex
         self.monkeypatch.setenv(TAG_ENV, tag)
         shm_before = shm_entries()

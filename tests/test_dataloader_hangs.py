@@ -40,7 +40,7 @@ def test_next_test_runs():
     assert sum(DataLoader(list(range(4)), batch_size=2).__iter__().__next__()) == 1
 '''
 
-FORK_LOCK = '''
+FORK_LOCK = """
 import threading
 
 import torch
@@ -69,9 +69,9 @@ def test_lock_held_at_fork():
 
 def test_next_test_runs():
     pass
-'''
+"""
 
-PIPE_READER = '''
+PIPE_READER = """
 import os
 
 from torch.utils.data import DataLoader, Dataset
@@ -94,10 +94,12 @@ def test_worker_reads_a_silent_pipe():
 
 def test_next_test_runs():
     pass
-'''
+"""
 
 
-def test_workers_deadlocked_in_getitem_are_caught_for_every_start_method(guarded: GuardedRunner) -> None:
+def test_workers_deadlocked_in_getitem_are_caught_for_every_start_method(
+    guarded: GuardedRunner,
+) -> None:
     guarded.pytester.makepyfile(test_loader=DEADLOCKED_WORKERS)
     session = guarded.run(timeout=3)
     session.result.assert_outcomes(failed=3, passed=1)

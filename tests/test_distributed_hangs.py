@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import GuardedRunner, assert_hang
 
-MISMATCH = '''
+MISMATCH = """
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
@@ -33,7 +33,7 @@ def test_rendezvous_waits_for_ranks_never_started(tmp_path):
 
 def test_next_test_runs():
     pass
-'''
+"""
 
 
 def test_gloo_ranks_in_different_collectives_are_named(guarded: GuardedRunner) -> None:

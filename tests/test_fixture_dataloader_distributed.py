@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from conftest import GuardedRunner, assert_hang
+from conftest import GuardedRunner
 
-LOADER = '''
+LOADER = """
 import threading
 
 import pytest
@@ -79,7 +79,7 @@ def test_worker_hang_reports_each_worker(torch_hang):
 def test_bad_batches(torch_hang):
     with pytest.raises(ValueError, match="batches must be None or an int >= 0"):
         torch_hang.dataloader(Squares(), batches=-1)
-'''
+"""
 
 
 def test_dataloader_stats_errors_and_hangs(guarded: GuardedRunner) -> None:
@@ -89,7 +89,7 @@ def test_dataloader_stats_errors_and_hangs(guarded: GuardedRunner) -> None:
     session.assert_clean()
 
 
-DISTRIBUTED = '''
+DISTRIBUTED = """
 import pytest
 import torch
 import torch.distributed as dist
@@ -165,7 +165,7 @@ def test_bad_input(torch_hang):
         torch_hang.distributed(ranks_sum, backend="nccl")
     with pytest.raises(TypeError, match="must be picklable"):
         torch_hang.distributed(lambda rank, world_size: rank)
-'''
+"""
 
 
 def test_distributed_results_failures_and_hangs(guarded: GuardedRunner) -> None:

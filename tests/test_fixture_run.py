@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import GuardedRunner, assert_hang
 
-RUN = '''
+RUN = """
 import os
 import signal
 import time
@@ -110,7 +110,7 @@ def test_a_dead_zygote_is_replaced(torch_hang):
     zygote.proc.wait()
     assert torch_hang.run(add, 2) == 2
     assert runner.zygote().pid != zygote.pid
-'''
+"""
 
 
 def test_run_returns_raises_crashes_and_hangs(guarded: GuardedRunner) -> None:
@@ -127,7 +127,7 @@ def test_run_returns_raises_crashes_and_hangs(guarded: GuardedRunner) -> None:
     session.assert_clean()
 
 
-ISOLATED = '''
+ISOLATED = """
 import ctypes
 import os
 
@@ -175,18 +175,20 @@ def test_unpicklable_fixture(unpicklable):
 
 def test_next_test_runs_in_pytest():
     assert os.getpid() == int(os.environ["PYTEST_PID"])
-'''
+"""
 
-ISOLATED_CONFTEST = '''
+ISOLATED_CONFTEST = """
 import os
 
 
 def pytest_configure(config):
     os.environ["PYTEST_PID"] = str(os.getpid())
-'''
+"""
 
 
-def test_isolated_tests_run_in_a_child_and_a_gil_hang_there_spares_the_session(guarded: GuardedRunner) -> None:
+def test_isolated_tests_run_in_a_child_and_a_gil_hang_there_spares_the_session(
+    guarded: GuardedRunner,
+) -> None:
     guarded.pytester.makeconftest(ISOLATED_CONFTEST)
     guarded.pytester.makepyfile(test_isolated=ISOLATED)
     session = guarded.run(timeout=30)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import GuardedRunner, assert_hang
 
-SCENARIOS = '''
+SCENARIOS = """
 import multiprocessing as mp
 
 
@@ -45,7 +45,7 @@ def test_pool_worker_never_returns():
 
 def test_next_test_runs():
     assert mp.active_children() == []
-'''
+"""
 
 
 def test_multiprocessing_hangs_are_caught_with_their_hints(guarded: GuardedRunner) -> None:

@@ -6,7 +6,7 @@ import re
 
 from conftest import GuardedRunner, assert_hang
 
-CHILDREN = '''
+CHILDREN = """
 import os
 import subprocess
 import sys
@@ -40,17 +40,21 @@ def test_non_python_child():
 
 def test_next_test_runs():
     pass
-'''
+"""
 
 
 def test_every_kind_of_child_is_reported_and_killed(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_children=CHILDREN)
     session = guarded.run(timeout=1.5)
     session.result.assert_outcomes(failed=5, passed=1)
-    orphan = assert_hang(session, "test_setsid_orphan", "*time.sleep(1000)", "cleanup: killed 1 process*")
+    orphan = assert_hang(
+        session, "test_setsid_orphan", "*time.sleep(1000)", "cleanup: killed 1 process*"
+    )
     # the orphan was adopted by pytest (child subreaper), so it is reported as pytest's child
     assert re.search(r"--- process \d+ \[Python child\] parent \d+", orphan)
-    assert_hang(session, "test_sigterm_ignoring_child", "*signal.SIG_IGN*", "cleanup: killed 1 process*")
+    assert_hang(
+        session, "test_sigterm_ignoring_child", "*signal.SIG_IGN*", "cleanup: killed 1 process*"
+    )
     assert_hang(
         session,
         "test_stopped_child",
@@ -75,7 +79,7 @@ def test_every_kind_of_child_is_reported_and_killed(guarded: GuardedRunner) -> N
     session.assert_clean()
 
 
-MAIN_THREAD = '''
+MAIN_THREAD = """
 import threading
 
 
@@ -96,20 +100,27 @@ def test_catches_everything():
 
 def test_next_test_runs():
     pass
-'''
+"""
 
 
-def test_a_blocked_main_thread_is_interrupted_and_the_session_goes_on(guarded: GuardedRunner) -> None:
+def test_a_blocked_main_thread_is_interrupted_and_the_session_goes_on(
+    guarded: GuardedRunner,
+) -> None:
     guarded.pytester.makepyfile(test_main=MAIN_THREAD)
     session = guarded.run(timeout=1)
     session.result.assert_outcomes(failed=2, passed=1)
-    assert_hang(session, "test_main_thread_waits_on_a_lock_forever", "*lock.acquire()", "HANG after 1.*1 process*")
+    assert_hang(
+        session,
+        "test_main_thread_waits_on_a_lock_forever",
+        "*lock.acquire()",
+        "HANG after 1.*1 process*",
+    )
     # HangError is not an Exception: a broad except in the code under test cannot swallow it
     assert_hang(session, "test_catches_everything", "*time.sleep(1000)")
     session.assert_clean()
 
 
-GIL_HELD = '''
+GIL_HELD = """
 import ctypes
 import subprocess
 import sys
@@ -125,7 +136,7 @@ def test_gil_held_in_c():
 
 def test_never_reached():
     pass
-'''
+"""
 
 
 def test_a_main_thread_holding_the_gil_in_c_still_ends_the_session(guarded: GuardedRunner) -> None:

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import pytest
+
 from conftest import GuardedRunner, assert_hang
 
 ONE_TEST = "def test_one():\n    pass\n"
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf", "abc", ""])
-def test_an_invalid_command_line_value_is_a_usage_error(pytester: pytest.Pytester, value: str) -> None:
+def test_an_invalid_command_line_value_is_a_usage_error(
+    pytester: pytest.Pytester, value: str
+) -> None:
     pytester.makepyfile(ONE_TEST)
     result = pytester.runpytest_subprocess(f"--torch-hang-timeout={value}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([
-        f"*--torch-hang-timeout must be a finite number of seconds >= 0 (0 turns the guard off), got '{value}'"
-    ])
+    result.stderr.fnmatch_lines(
+        [
+            f"*--torch-hang-timeout must be a finite number of seconds >= 0 (0 turns the guard off), got '{value}'"
+        ]
+    )
 
 
 def test_an_invalid_ini_value_names_the_ini_key(pytester: pytest.Pytester) -> None:
@@ -23,28 +28,44 @@ def test_an_invalid_ini_value_names_the_ini_key(pytester: pytest.Pytester) -> No
     pytester.makeini("[pytest]\ntorch_hang_timeout = soon\n")
     result = pytester.runpytest_subprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*ini option torch_hang_timeout must be a finite number*got 'soon'"])
+    result.stderr.fnmatch_lines(
+        ["*ini option torch_hang_timeout must be a finite number*got 'soon'"]
+    )
 
 
-def test_an_invalid_environment_value_names_the_variable(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_invalid_environment_value_names_the_variable(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytester.makepyfile(ONE_TEST)
     monkeypatch.setenv("PYTEST_TORCH_HANG_TIMEOUT", "-5")
     result = pytester.runpytest_subprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*environment variable PYTEST_TORCH_HANG_TIMEOUT must be*got '-5'"])
+    result.stderr.fnmatch_lines(
+        ["*environment variable PYTEST_TORCH_HANG_TIMEOUT must be*got '-5'"]
+    )
 
 
 @pytest.mark.parametrize(
     ("marker", "message"),
     [
-        ('timeout="soon"', "*torch_hang on test_bad.py::test_one: timeout must be a finite number*got 'soon'"),
-        ("timeout=-1", "*torch_hang on test_bad.py::test_one: timeout must be a finite number*got -1"),
+        (
+            'timeout="soon"',
+            "*torch_hang on test_bad.py::test_one: timeout must be a finite number*got 'soon'",
+        ),
+        (
+            "timeout=-1",
+            "*torch_hang on test_bad.py::test_one: timeout must be a finite number*got -1",
+        ),
         ("bogus=1", "*torch_hang on test_bad.py::test_one: takes (timeout=None, isolate=False)*"),
         ('isolate="yes"', "*isolate must be True or False, got 'yes'"),
     ],
 )
-def test_an_invalid_marker_is_a_usage_error_naming_the_test(pytester: pytest.Pytester, marker: str, message: str) -> None:
-    pytester.makepyfile(test_bad=f"import pytest\n\n@pytest.mark.torch_hang({marker})\ndef test_one():\n    pass\n")
+def test_an_invalid_marker_is_a_usage_error_naming_the_test(
+    pytester: pytest.Pytester, marker: str, message: str
+) -> None:
+    pytester.makepyfile(
+        test_bad=f"import pytest\n\n@pytest.mark.torch_hang({marker})\ndef test_one():\n    pass\n"
+    )
     result = pytester.runpytest_subprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
@@ -60,8 +81,12 @@ def test_an_invalid_marker_is_a_usage_error_naming_the_test(pytester: pytest.Pyt
     ],
 )
 def test_ini_env_and_command_line_apply_in_that_order(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-    ini: str | None, env: str | None, cli: str | None, expected: str,
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    ini: str | None,
+    env: str | None,
+    cli: str | None,
+    expected: str,
 ) -> None:
     pytester.makepyfile(ONE_TEST)
     if ini is not None:
@@ -73,7 +98,7 @@ def test_ini_env_and_command_line_apply_in_that_order(
     result.stdout.fnmatch_lines([f"*{expected}*"])
 
 
-MARKERS = '''
+MARKERS = """
 import time
 
 import pytest
@@ -115,7 +140,7 @@ def test_hang_in_teardown(slow_teardown):
 
 def test_next_test_runs():
     pass
-'''
+"""
 
 
 def test_the_marker_wins_and_the_deadline_covers_setup_and_teardown(guarded: GuardedRunner) -> None:
@@ -124,13 +149,18 @@ def test_the_marker_wins_and_the_deadline_covers_setup_and_teardown(guarded: Gua
     # as for any failure outside the test body, hangs in setup and teardown count as errors
     session.result.assert_outcomes(failed=1, passed=4, errors=2)
     assert_hang(session, "test_marker_is_stricter_than_the_command_line", "HANG after 1.*")
-    assert_hang(session, "test_hang_in_setup", "HANG after 2.* in test_markers.py::test_hang_in_setup (during setup)*", "*time.sleep(30)")
+    assert_hang(
+        session,
+        "test_hang_in_setup",
+        "HANG after 2.* in test_markers.py::test_hang_in_setup (during setup)*",
+        "*time.sleep(30)",
+    )
     teardown = session.result.stdout.str()
     assert "test_hang_in_teardown (during teardown)" in teardown
     session.assert_clean()
 
 
-INERT = '''
+INERT = """
 import os
 import threading
 
@@ -142,7 +172,7 @@ def test_the_plugin_left_nothing_behind():
     assert "PYTEST_TORCH_HANG_DUMP_DIR" not in os.environ
     assert "_inject" not in os.environ.get("PYTHONPATH", "")
     assert psutil.Process().children() == []
-'''
+"""
 
 
 def test_without_a_timeout_the_plugin_is_inert(guarded: GuardedRunner) -> None:
@@ -153,7 +183,9 @@ def test_without_a_timeout_the_plugin_is_inert(guarded: GuardedRunner) -> None:
 
 
 def test_a_passing_suite_under_a_timeout_just_passes(guarded: GuardedRunner) -> None:
-    guarded.pytester.makepyfile(test_pass="def test_a():\n    pass\n\ndef test_b():\n    assert 1\n")
+    guarded.pytester.makepyfile(
+        test_pass="def test_a():\n    pass\n\ndef test_b():\n    assert 1\n"
+    )
     session = guarded.run(timeout=30)
     session.result.assert_outcomes(passed=2)
     assert "HANG" not in session.result.stdout.str()

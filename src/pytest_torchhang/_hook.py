@@ -61,7 +61,7 @@ def _register() -> None:
     if inherited is not None and inherited is not new_file:
         # After fork the parent's file object came along; close our copy of its descriptor so
         # every fork generation does not carry one more open file.
-        try:
+        try:  # noqa: SIM105 - no contextlib: this module must stay cheap to import
             inherited.close()
         except OSError:
             pass
@@ -86,7 +86,7 @@ def install(dump_dir: str | None = None) -> bool:
 def uninstall() -> None:
     """Stop answering the dump signal in this process (used by the pytest process at the end)."""
     _Registration.dump_dir = None
-    try:
+    try:  # noqa: SIM105
         faulthandler.unregister(DUMP_SIGNAL)
     except (RuntimeError, ValueError):
         pass

@@ -23,7 +23,6 @@ from typing import Any
 from . import _hook
 from .proctree import become_subreaper, die_with_parent, kill_tree
 
-
 #: Seconds a child that failed waits (its outcome already written) before it exits.
 LINGER_ENV = "PYTEST_TORCH_HANG_LINGER"
 
@@ -44,12 +43,15 @@ def _write_outcome(path: str, outcome: Outcome) -> None:
     try:
         data = pickle.dumps(outcome)
     except Exception as exc:  # the result or the exception itself does not pickle
-        data = pickle.dumps(Outcome(
-            ok=False, exc_type="TypeError",
-            exc_message=f"the child's {'result' if outcome.ok else 'exception'} cannot be pickled "
-                        f"back to the test: {exc}",
-            traceback=outcome.traceback,
-        ))
+        data = pickle.dumps(
+            Outcome(
+                ok=False,
+                exc_type="TypeError",
+                exc_message=f"the child's {'result' if outcome.ok else 'exception'} cannot be pickled "
+                f"back to the test: {exc}",
+                traceback=outcome.traceback,
+            )
+        )
     with open(tmp, "wb") as out:
         out.write(data)
     os.replace(tmp, path)

@@ -426,6 +426,7 @@ class GpuLeaser:
                     break
             else:
                 os.close(fd)
+        taken.sort()  # preference decides which GPUs; cuda:0 is still the lowest of them
         lease = GpuLease(tuple(i for i, _ in taken), 0.0, [fd for _, fd in taken])
         if len(taken) < count:
             lease.release()  # all or nothing: holding some while waiting could deadlock
@@ -687,9 +688,7 @@ class DevicePlugin:
         if candidates is not None:
             holder = f"{self.worker_id} pid {os.getpid()} {item.nodeid}"
             try:
-                lease = self.leaser.acquire(
-                    count, inventory.count, timeout_s, holder, candidates
-                )
+                lease = self.leaser.acquire(count, inventory.count, timeout_s, holder, candidates)
             except LeaseTimeout as exc:
                 item.stash[_SETUP_ERROR] = str(exc)
         if lease is None:  # the setup hook turns the stashed message into the test's error
@@ -706,7 +705,8 @@ class DevicePlugin:
         item.user_properties.extend(properties)
         if lease.waited_s >= 1.0:
             item.add_report_section(
-                "setup", "torch-hang",
+                "setup",
+                "torch-hang",
                 f"waited {lease.waited_s:.1f}s for GPUs {visible} held by other tests",
             )
         item.stash[_LEASE] = lease

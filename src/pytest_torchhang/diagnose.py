@@ -15,14 +15,42 @@ from .stacks import Frame, ThreadStack
 
 _STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"])
 _COLLECTIVES = frozenset(
-    "all_reduce barrier broadcast all_gather all_gather_into_tensor all_gather_object reduce gather "
-    "scatter reduce_scatter reduce_scatter_tensor all_to_all all_to_all_single send recv isend irecv "
-    "monitored_barrier broadcast_object_list gather_object scatter_object_list batch_isend_irecv "
-    "wait".split()
+    [
+        "all_reduce",
+        "barrier",
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "reduce",
+        "gather",
+        "scatter",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "monitored_barrier",
+        "broadcast_object_list",
+        "gather_object",
+        "scatter_object_list",
+        "batch_isend_irecv",
+        "wait",
+    ]
 )
 _RENDEZVOUS = frozenset(
-    "init_process_group _store_based_barrier rendezvous _create_c10d_store _env_rendezvous_handler "
-    "_tcp_rendezvous_handler _file_rendezvous_handler".split()
+    [
+        "init_process_group",
+        "_store_based_barrier",
+        "rendezvous",
+        "_create_c10d_store",
+        "_env_rendezvous_handler",
+        "_tcp_rendezvous_handler",
+        "_file_rendezvous_handler",
+    ]
 )
 
 
@@ -87,7 +115,12 @@ def _enclosing_class(filename: str, lineno: int) -> str:
 
 def _dataset_name(proc: ProcessReport) -> str:
     for frame in _frames(proc):
-        if frame.name in ("__getitem__", "__getitems__", "__iter__", "__next__") and not _is_library(frame):
+        if frame.name in (
+            "__getitem__",
+            "__getitems__",
+            "__iter__",
+            "__next__",
+        ) and not _is_library(frame):
             return _enclosing_class(frame.filename, frame.lineno)
     return ""
 
@@ -110,8 +143,16 @@ def _ordered(procs: list[ProcessReport]) -> list[ProcessReport]:
 _THREAD_ROLES: list[tuple[str, tuple[str, ...], str]] = [
     ("torch/utils/data/_utils/pin_memory.py", ("_pin_memory_loop",), "pin-memory thread"),
     ("multiprocessing/queues.py", ("_feed",), "queue feeder thread"),
-    ("multiprocessing/pool.py", ("_handle_workers", "_handle_tasks", "_handle_results"), "Pool handler thread"),
-    ("multiprocessing/managers.py", ("serve_client", "handle_request", "accepter"), "Manager server thread"),
+    (
+        "multiprocessing/pool.py",
+        ("_handle_workers", "_handle_tasks", "_handle_results"),
+        "Pool handler thread",
+    ),
+    (
+        "multiprocessing/managers.py",
+        ("serve_client", "handle_request", "accepter"),
+        "Manager server thread",
+    ),
     ("pytest_torchhang/watchdog.py", (), "torch-hang watchdog"),
 ]
 
@@ -138,7 +179,9 @@ def label_roles(
         elif "RANK" in env.get(proc.pid, {}):
             e = env[proc.pid]
             size = e.get("WORLD_SIZE", "?")
-            proc.role = f"rank {e['RANK']}/{size}" + (f" ({e['TORCH_HANG_BACKEND']})" if e.get("TORCH_HANG_BACKEND") else "")
+            proc.role = f"rank {e['RANK']}/{size}" + (
+                f" ({e['TORCH_HANG_BACKEND']})" if e.get("TORCH_HANG_BACKEND") else ""
+            )
         elif _has(proc, "torch/multiprocessing/spawn.py", "_wrap"):
             ranks.setdefault(proc.ppid, []).append(proc)
         elif _has(proc, "multiprocessing/managers.py", "serve_forever"):
@@ -147,7 +190,9 @@ def label_roles(
             proc.role = "Pool worker"
         elif _has(proc, "multiprocessing/process.py", "_bootstrap"):
             target = _target_name(proc)
-            proc.role = f"multiprocessing.Process(target={target})" if target else "multiprocessing child"
+            proc.role = (
+                f"multiprocessing.Process(target={target})" if target else "multiprocessing child"
+            )
         elif proc.dump_status == "ok":
             proc.role = "Python child"
         else:
@@ -155,7 +200,9 @@ def label_roles(
     for group in workers.values():
         for k, proc in enumerate(_ordered(group)):
             dataset = _dataset_name(proc)
-            proc.role = f"DataLoader worker {k}/{len(group)}" + (f" (dataset {dataset})" if dataset else "")
+            proc.role = f"DataLoader worker {k}/{len(group)}" + (
+                f" (dataset {dataset})" if dataset else ""
+            )
     for group in ranks.values():
         for r, proc in enumerate(_ordered(group)):
             proc.role = f"rank {r}/{len(group)} (torch.multiprocessing.spawn)"
@@ -204,13 +251,19 @@ def headline(test_id: str, elapsed: float, processes: list[ProcessReport], root_
 
 # --- hints ---------------------------------------------------------------------------------------
 
+
 def _innermost(proc: ProcessReport, pred: Callable[[Frame], bool]) -> Frame | None:
     main = _main_thread(proc)
     return next((f for f in main.frames if pred(f)), None) if main else None
 
 
 def _collective(proc: ProcessReport) -> str | None:
-    frame = _innermost(proc, lambda f: _in(f, "torch/distributed/distributed_c10d.py") and f.name in _COLLECTIVES | _RENDEZVOUS)
+    frame = _innermost(
+        proc,
+        lambda f: (
+            _in(f, "torch/distributed/distributed_c10d.py") and f.name in _COLLECTIVES | _RENDEZVOUS
+        ),
+    )
     return frame.name if frame else None
 
 
@@ -225,32 +278,45 @@ def _hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
     where = {_rank_no(p): _collective(p) for p in ranks}
     waiting = {r: c for r, c in where.items() if c and c not in _RENDEZVOUS}
     rendezvous = {r: c for r, c in where.items() if c in _RENDEZVOUS}
-    based = [f"rank {r} (pid {p.pid}) in {where[_rank_no(p)] or p.stuck_at}" for r, p in ((_rank_no(p), p) for p in ranks)]
+    based = [
+        f"rank {r} (pid {p.pid}) in {where[_rank_no(p)] or p.stuck_at}"
+        for r, p in ((_rank_no(p), p) for p in ranks)
+    ]
     hints = []
     if rendezvous and not waiting:
-        hints.append(Hint(
-            f"{len(rendezvous)} rank(s) wait in the process-group rendezvous "
-            f"({', '.join(sorted(set(rendezvous.values())))}) and {len(ranks)} rank(s) were started: "
-            "the other ranks of the world never arrived (world_size larger than the ranks "
-            "launched, a rank that crashed before init, or another store/MASTER_ADDR/port). "
-            "Start exactly world_size ranks on one rendezvous.",
-            based,
-        ))
+        hints.append(
+            Hint(
+                f"{len(rendezvous)} rank(s) wait in the process-group rendezvous "
+                f"({', '.join(sorted(set(rendezvous.values())))}) and {len(ranks)} rank(s) were started: "
+                "the other ranks of the world never arrived (world_size larger than the ranks "
+                "launched, a rank that crashed before init, or another store/MASTER_ADDR/port). "
+                "Start exactly world_size ranks on one rendezvous.",
+                based,
+            )
+        )
     elif len(set(waiting.values())) > 1:
         pairs = ", ".join(f"rank {r} in {c}" for r, c in sorted(waiting.items()))
-        hints.append(Hint(
-            f"ranks wait in different collectives ({pairs}): every rank must call the same "
-            "collectives in the same order; look for a rank-dependent branch before them.",
-            based,
-        ))
+        hints.append(
+            Hint(
+                f"ranks wait in different collectives ({pairs}): every rank must call the same "
+                "collectives in the same order; look for a rank-dependent branch before them.",
+                based,
+            )
+        )
     elif waiting and len(waiting) < len(ranks):
-        missing = [f"rank {r} at {next(p.stuck_at for p in ranks if _rank_no(p) == r)}" for r, c in where.items() if not c]
+        missing = [
+            f"rank {r} at {next(p.stuck_at for p in ranks if _rank_no(p) == r)}"
+            for r, c in where.items()
+            if not c
+        ]
         coll = next(iter(waiting.values()))
-        hints.append(Hint(
-            f"{len(waiting)} rank(s) wait in {coll} for a rank that is not in a collective "
-            f"({', '.join(missing)}): that rank skipped the call or is stuck before it.",
-            based,
-        ))
+        hints.append(
+            Hint(
+                f"{len(waiting)} rank(s) wait in {coll} for a rank that is not in a collective "
+                f"({', '.join(missing)}): that rank skipped the call or is stuck before it.",
+                based,
+            )
+        )
     return hints
 
 
@@ -265,10 +331,18 @@ def _hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
     for proc in procs:
         if not proc.role.startswith("DataLoader worker"):
             continue
-        frame = _innermost(proc, lambda f: _in(f, "logging/__init__.py", "acquire", "_acquireLock") or (not _is_library(f) and _source_mentions_lock(f)))
+        frame = _innermost(
+            proc,
+            lambda f: (
+                _in(f, "logging/__init__.py", "acquire", "_acquireLock")
+                or (not _is_library(f) and _source_mentions_lock(f))
+            ),
+        )
         if frame is not None and proc.cpu_delta_s < 0.05:
             forked = forked or proc.cmdline in root_cmdlines  # a fork of the test process
-            hits.append(f"{proc.role} (pid {proc.pid}) at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}")
+            hits.append(
+                f"{proc.role} (pid {proc.pid}) at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+            )
     if not hits:
         return []
     if forked:
@@ -288,17 +362,32 @@ def _hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
 
 
 def _hint_queue_join(procs: list[ProcessReport]) -> list[Hint]:
-    flushing = [p for p in procs if _has(p, "multiprocessing/queues.py", "_finalize_join", "join_thread") or (_has(p, "multiprocessing/util.py", "_exit_function") and _has(p, "multiprocessing/queues.py"))]
-    joining = [p for p in procs if _has(p, "multiprocessing/popen_fork.py", "wait", "poll") or _has(p, "multiprocessing/process.py", "join")]
+    flushing = [
+        p
+        for p in procs
+        if _has(p, "multiprocessing/queues.py", "_finalize_join", "join_thread")
+        or (
+            _has(p, "multiprocessing/util.py", "_exit_function")
+            and _has(p, "multiprocessing/queues.py")
+        )
+    ]
+    joining = [
+        p
+        for p in procs
+        if _has(p, "multiprocessing/popen_fork.py", "wait", "poll")
+        or _has(p, "multiprocessing/process.py", "join")
+    ]
     if not flushing or not joining:
         return []
-    return [Hint(
-        f"{', '.join(f'pid {p.pid}' for p in joining)} joins a process that cannot exit until its "
-        "multiprocessing Queue is flushed: a child that put data on a Queue waits at exit for the "
-        "data to be read. Drain the queue (get() every item) before join().",
-        [f"{p.role} (pid {p.pid}) flushing its queue at exit" for p in flushing]
-        + [f"{p.role} (pid {p.pid}) in join" for p in joining],
-    )]
+    return [
+        Hint(
+            f"{', '.join(f'pid {p.pid}' for p in joining)} joins a process that cannot exit until its "
+            "multiprocessing Queue is flushed: a child that put data on a Queue waits at exit for the "
+            "data to be read. Drain the queue (get() every item) before join().",
+            [f"{p.role} (pid {p.pid}) flushing its queue at exit" for p in flushing]
+            + [f"{p.role} (pid {p.pid}) in join" for p in joining],
+        )
+    ]
 
 
 def _hint_manager(procs: list[ProcessReport]) -> list[Hint]:
@@ -310,19 +399,25 @@ def _hint_manager(procs: list[ProcessReport]) -> list[Hint]:
     # for a client (Lock.acquire, Event.wait, ...): that call blocks every proxy waiting on it.
     blocked = [
         f"Manager server (pid {s.pid}) thread {t.ident} in {t.frames[0].name}: {t.frames[0].line}"
-        for s in servers for t in s.threads
-        if t.frames and (
+        for s in servers
+        for t in s.threads
+        if t.frames
+        and (
             _in(t.frames[0], "multiprocessing/managers.py", "serve_client")
             or t.frames[0].name in ("acquire", "wait", "__enter__")
         )
     ]
     if blocked:
-        text = (f"{len(clients)} process(es) wait on a Manager proxy call while the Manager server is "
-                "blocked serving it (a Lock/Condition/Event acquired through the Manager and never "
-                "released): release it in a finally block, or use a timeout.")
+        text = (
+            f"{len(clients)} process(es) wait on a Manager proxy call while the Manager server is "
+            "blocked serving it (a Lock/Condition/Event acquired through the Manager and never "
+            "released): release it in a finally block, or use a timeout."
+        )
     elif not servers:
-        text = (f"{len(clients)} process(es) wait on a Manager proxy whose server is not in the tree "
-                "(gone or never started): keep the Manager alive while proxies are in use.")
+        text = (
+            f"{len(clients)} process(es) wait on a Manager proxy whose server is not in the tree "
+            "(gone or never started): keep the Manager alive while proxies are in use."
+        )
     else:
         text = f"{len(clients)} process(es) wait for an answer from the Manager server."
     return [Hint(text, [f"{p.role} (pid {p.pid}) in _callmethod" for p in clients] + blocked)]
@@ -335,39 +430,74 @@ def _hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
             proc, "torch/utils/data/dataloader.py", "_try_get_data"
         ):
             continue  # a Manager client, or a DataLoader waiting for its workers: other rules
-        frame = _innermost(proc, lambda f: _in(f, "multiprocessing/connection.py", "_recv", "_recv_bytes", "recv_bytes", "recv", "poll", "_poll") or (not _is_library(f) and any(s in f.line for s in ("os.read(", ".recv(", ".read(", ".readline("))))
-        if frame is not None and not proc.role.startswith(("rank ", "resource_tracker", "forkserver")):
-            hits.append(f"{proc.role} (pid {proc.pid}) at {frame.filename}:{frame.lineno} in {frame.name}")
+        frame = _innermost(
+            proc,
+            lambda f: (
+                _in(
+                    f,
+                    "multiprocessing/connection.py",
+                    "_recv",
+                    "_recv_bytes",
+                    "recv_bytes",
+                    "recv",
+                    "poll",
+                    "_poll",
+                )
+                or (
+                    not _is_library(f)
+                    and any(s in f.line for s in ("os.read(", ".recv(", ".read(", ".readline("))
+                )
+            ),
+        )
+        if frame is not None and not proc.role.startswith(
+            ("rank ", "resource_tracker", "forkserver")
+        ):
+            hits.append(
+                f"{proc.role} (pid {proc.pid}) at {frame.filename}:{frame.lineno} in {frame.name}"
+            )
     if not hits:
         return []
-    return [Hint(
-        f"{len(hits)} process(es) block reading a pipe, FIFO, socket or Connection whose writer "
-        "never writes: check that the other end was started, writes, and closes its copy of the "
-        "descriptors it does not use.",
-        hits,
-    )]
+    return [
+        Hint(
+            f"{len(hits)} process(es) block reading a pipe, FIFO, socket or Connection whose writer "
+            "never writes: check that the other end was started, writes, and closes its copy of the "
+            "descriptors it does not use.",
+            hits,
+        )
+    ]
 
 
 def _hint_busy(procs: list[ProcessReport]) -> list[Hint]:
     busy = [p for p in procs if p.cpu_delta_s >= 0.05]
     if not busy:
         return []
-    return [Hint(
-        f"{len(busy)} process(es) used CPU during the capture: they are computing or spinning, not "
-        "waiting (an endless loop, a retry loop, or work too slow for the timeout).",
-        [f"{p.role} (pid {p.pid}) +{p.cpu_delta_s:.2f}s CPU at {p.stuck_at}" for p in busy],
-    )]
+    return [
+        Hint(
+            f"{len(busy)} process(es) used CPU during the capture: they are computing or spinning, not "
+            "waiting (an endless loop, a retry loop, or work too slow for the timeout).",
+            [f"{p.role} (pid {p.pid}) +{p.cpu_delta_s:.2f}s CPU at {p.stuck_at}" for p in busy],
+        )
+    ]
 
 
-_RULES = (_hint_collectives, _hint_worker_lock, _hint_queue_join, _hint_manager, _hint_pipe, _hint_busy)
+_RULES = (
+    _hint_collectives,
+    _hint_worker_lock,
+    _hint_queue_join,
+    _hint_manager,
+    _hint_pipe,
+    _hint_busy,
+)
 
 
 def hints(processes: list[ProcessReport]) -> list[Hint]:
     """Every hint whose rule matches; a single 'no known pattern' hint when none does."""
     found = [hint for rule in _RULES for hint in rule(processes)]
     if not found:
-        found.append(Hint(
-            "no known hang pattern matched; the stacks below show where each process waits "
-            "(innermost frame first)."
-        ))
+        found.append(
+            Hint(
+                "no known hang pattern matched; the stacks below show where each process waits "
+                "(innermost frame first)."
+            )
+        )
     return found

@@ -28,8 +28,14 @@ class HangError(pytest.fail.Exception):  # type: ignore[misc, name-defined]
 class ChildCrashed(Exception):
     """A child process died (a signal or an exit code) instead of returning a result."""
 
-    def __init__(self, message: str, *, signal: str | None = None, exitcode: int | None = None,
-                 crash_trace: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        signal: str | None = None,
+        exitcode: int | None = None,
+        crash_trace: str = "",
+    ) -> None:
         super().__init__(message)
         self.signal = signal
         self.exitcode = exitcode

@@ -43,8 +43,13 @@ def check_picklable(obj: Any, what: str) -> None:
 class TorchHang:
     """Run callables, DataLoader iterations and distributed steps in children, under a deadline."""
 
-    def __init__(self, get_runner: Callable[[], runner.Runner], test_id: str, deadline: float | None,
-                 gpus: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        get_runner: Callable[[], runner.Runner],
+        test_id: str,
+        deadline: float | None,
+        gpus: list[int] | None = None,
+    ) -> None:
         self._get_runner = get_runner
         self._test_id = test_id
         self._deadline = deadline
@@ -52,7 +57,12 @@ class TorchHang:
 
     def _timeout(self, timeout: float | None) -> float:
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+            if (
+                isinstance(timeout, bool)
+                or not isinstance(timeout, (int, float))
+                or not math.isfinite(timeout)
+                or timeout <= 0
+            ):
                 raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
             return float(timeout)
         if self._deadline is not None:
@@ -62,7 +72,9 @@ class TorchHang:
     def _method(self, start_method: str | None) -> str:
         method = start_method or "zygote"
         if method not in runner.START_METHODS:
-            raise ValueError(f"start_method must be one of {', '.join(runner.START_METHODS)}, got {method!r}")
+            raise ValueError(
+                f"start_method must be one of {', '.join(runner.START_METHODS)}, got {method!r}"
+            )
         return method
 
     def _relay(self, the_runner: runner.Runner, children: list[runner.Child]) -> None:
@@ -71,19 +83,42 @@ class TorchHang:
             if output:
                 sys.stdout.write(output)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-            start_method: str | None = None, env: dict[str, str | None] | None = None, **kwargs: Any) -> Any:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        start_method: str | None = None,
+        env: dict[str, str | None] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run ``fn(*args, **kwargs)`` in a child process and return its result.
 
         The child's exception is raised here with its traceback attached; a child killed by a
         signal raises ``ChildCrashed``; a child still running at the deadline raises ``HangError``
         with the stacks of its whole tree (which is killed). ``timeout=None``: the test's timeout.
         """
-        return self._run_one(fn, args, kwargs, timeout=timeout, start_method=start_method, env=env,
-                             label=f"torch_hang.run({_name(fn)})")
+        return self._run_one(
+            fn,
+            args,
+            kwargs,
+            timeout=timeout,
+            start_method=start_method,
+            env=env,
+            label=f"torch_hang.run({_name(fn)})",
+        )
 
-    def _run_one(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, timeout: float | None,
-                 start_method: str | None, env: dict[str, str | None] | None, label: str) -> Any:
+    def _run_one(
+        self,
+        fn: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        timeout: float | None,
+        start_method: str | None,
+        env: dict[str, str | None] | None,
+        label: str,
+    ) -> Any:
         check_picklable(fn, label.split("(")[0] + "'s callable")
         seconds, method = self._timeout(timeout), self._method(start_method)
         the_runner = self._get_runner()
@@ -96,9 +131,16 @@ class TorchHang:
         self._relay(the_runner, [child])
         return runner.raise_outcome(the_runner, child)
 
-    def dataloader(self, dataset_or_factory: Any, *, batches: int | None = None, timeout: float | None = None,
-                   multiprocessing_context: str | None = None, start_method: str | None = None,
-                   **loader_kwargs: Any) -> LoaderStats:
+    def dataloader(
+        self,
+        dataset_or_factory: Any,
+        *,
+        batches: int | None = None,
+        timeout: float | None = None,
+        multiprocessing_context: str | None = None,
+        start_method: str | None = None,
+        **loader_kwargs: Any,
+    ) -> LoaderStats:
         """Build a DataLoader in a child and iterate ``batches`` batches (all when None).
 
         ``dataset_or_factory`` is a picklable dataset, or a picklable callable returning a
@@ -108,14 +150,26 @@ class TorchHang:
             raise ValueError(f"batches must be None or an int >= 0, got {batches!r}")
         check_picklable(dataset_or_factory, "torch_hang.dataloader's dataset or factory")
         return self._run_one(  # type: ignore[no-any-return]
-            jobs.iterate_loader, (dataset_or_factory, batches, multiprocessing_context, loader_kwargs), {},
-            timeout=timeout, start_method=start_method, env=None,
+            jobs.iterate_loader,
+            (dataset_or_factory, batches, multiprocessing_context, loader_kwargs),
+            {},
+            timeout=timeout,
+            start_method=start_method,
+            env=None,
             label=f"torch_hang.dataloader({_name(dataset_or_factory)})",
         )
 
-    def distributed(self, fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str | None = None,
-                    timeout: float | None = None, init_timeout: float | None = None,
-                    start_method: str | None = None, **kwargs: Any) -> list[Any]:
+    def distributed(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        world_size: int = 2,
+        backend: str | None = None,
+        timeout: float | None = None,
+        init_timeout: float | None = None,
+        start_method: str | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` ranks; per-rank results.
 
         The process group (gloo on CPU, nccl when each rank can have a leased GPU of its own) is
@@ -144,16 +198,24 @@ class TorchHang:
         children = []
         for rank in range(world_size):
             env: dict[str, str | None] = {
-                "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                "TORCH_HANG_BACKEND": backend, LINGER_ENV: str(PEER_GRACE_S * 10),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "TORCH_HANG_BACKEND": backend,
+                LINGER_ENV: str(PEER_GRACE_S * 10),
             }
             if backend == "nccl":
                 env["CUDA_VISIBLE_DEVICES"] = str(gpus[rank])
-            children.append(the_runner.start(
-                jobs.rank_main,
-                (fn, rank, world_size, backend, store, pg_timeout, init_seconds, args, kwargs), {},
-                method=method, role=f"rank {rank}/{world_size} ({backend})", env=env,
-            ))
+            children.append(
+                the_runner.start(
+                    jobs.rank_main,
+                    (fn, rank, world_size, backend, store, pg_timeout, init_seconds, args, kwargs),
+                    {},
+                    method=method,
+                    role=f"rank {rank}/{world_size} ({backend})",
+                    env=env,
+                )
+            )
         label = f"torch_hang.distributed({_name(fn)}, world_size={world_size})"
         left = runner.wait(the_runner, children, seconds, stop_on_error=True)
         failed = [c for c in children if the_runner.failed(c)]
@@ -162,9 +224,13 @@ class TorchHang:
             waiting = [c for c in children if c not in failed and the_runner.is_running(c)]
             note = ""
             if waiting:
-                report = runner.hang_report(the_runner, waiting, f"{label} in {self._test_id}", seconds)
-                note = (f"{first.role} failed first; {len(waiting)} other rank(s) were still running "
-                        "(stacks below, then killed):\n" + report.to_text())
+                report = runner.hang_report(
+                    the_runner, waiting, f"{label} in {self._test_id}", seconds
+                )
+                note = (
+                    f"{first.role} failed first; {len(waiting)} other rank(s) were still running "
+                    "(stacks below, then killed):\n" + report.to_text()
+                )
             runner.stop(the_runner, children)
             self._relay(the_runner, children)
             try:
@@ -174,15 +240,18 @@ class TorchHang:
                     exc.add_note(note)
                 raise
         if left <= 0 and any(the_runner.is_running(c) for c in children):
-            report = runner.hang_report(the_runner, children, f"{label} in {self._test_id}", seconds)
+            report = runner.hang_report(
+                the_runner, children, f"{label} in {self._test_id}", seconds
+            )
             self._relay(the_runner, children)
             runner.raise_hang(report)
         self._relay(the_runner, children)
         return [runner.raise_outcome(the_runner, c) for c in children]
 
 
-def run_isolated(the_runner: runner.Runner, function: Any, funcargs: dict[str, Any], test_id: str,
-                 timeout: float) -> None:
+def run_isolated(
+    the_runner: runner.Runner, function: Any, funcargs: dict[str, Any], test_id: str, timeout: float
+) -> None:
     """Run a whole test body in a child (``@pytest.mark.torch_hang(isolate=True)``)."""
     check_picklable(function, f"the isolated test {test_id}")
     for name, value in funcargs.items():
@@ -194,5 +263,12 @@ def run_isolated(the_runner: runner.Runner, function: Any, funcargs: dict[str, A
                 f"picklable; {name!r} is not ({type(exc).__name__}: {exc})"
             ) from None
     hang = TorchHang(lambda: the_runner, test_id, None)
-    hang._run_one(jobs.call_test, (function, funcargs), {}, timeout=timeout, start_method=None, env=None,
-                  label=f"isolated test {test_id}")
+    hang._run_one(
+        jobs.call_test,
+        (function, funcargs),
+        {},
+        timeout=timeout,
+        start_method=None,
+        env=None,
+        label=f"isolated test {test_id}",
+    )

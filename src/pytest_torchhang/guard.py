@@ -7,8 +7,6 @@ cannot move, and by the subprocess runner for its children.
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +16,8 @@ from . import diagnose
 from ._hook import role_path
 from .proctree import KillResult, ProcessId, cleanup_shm, descendants, helper_kind, kill_tree
 from .report import HangReport, ProcessReport
+
+__all__ = ["GuardTarget", "HangReport", "capture", "kill", "tree"]
 from .stacks import Dump, in_process_threads, request_dumps, trim_pytest_frames
 
 #: Environment variables read from each process (roles of ranks).
@@ -76,7 +76,7 @@ def _facts(proc: psutil.Process, now: float, dump: Dump, cpu_before: float) -> P
         try:
             cmdline = proc.cmdline()
             name = proc.name()
-            state = proc.status()
+            state: str = proc.status()
             rss = proc.memory_info().rss
             threads = proc.num_threads()
             age = now - proc.create_time()
@@ -131,7 +131,11 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     idents: list[ProcessId] = []
     for proc in procs:
         with contextlib.suppress(psutil.Error):
-            if proc.pid != target.root_pid or not target.root_in_process or target.roots is not None:
+            if (
+                proc.pid != target.root_pid
+                or not target.root_in_process
+                or target.roots is not None
+            ):
                 idents.append(ProcessId(proc.pid, proc.create_time()))
     dumps = request_dumps(idents, target.dump_dir, target.capture_budget_s)
     if target.root_in_process and target.roots is None:
@@ -142,7 +146,12 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     time.sleep(max(0.0, 0.1 - (time.monotonic() - t0)))  # a CPU sample needs a little time
     now = time.time()
     reports = [
-        _facts(p, now, dumps.get(p.pid, Dump("gone before its stack could be taken")), cpu_before.get(p.pid, 0.0))
+        _facts(
+            p,
+            now,
+            dumps.get(p.pid, Dump("gone before its stack could be taken")),
+            cpu_before.get(p.pid, 0.0),
+        )
         for p in procs
     ]
     env = {p.pid: _environ(p) for p in procs if p.pid != target.root_pid}
@@ -157,7 +166,9 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         phase=target.phase,
         headline=diagnose.headline(
             target.test_id + (f" (during {target.phase})" if target.phase != "call" else ""),
-            elapsed, reports, target.root_pid,
+            elapsed,
+            reports,
+            target.root_pid,
         ),
         hints=diagnose.hints(reports),
         processes=reports,
@@ -173,7 +184,9 @@ def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
     else:
         result = KillResult()
         for root in target.roots:
-            part = kill_tree(root, exclude=target.exclude, include_root=True, spare_root_helpers=False)
+            part = kill_tree(
+                root, exclude=target.exclude, include_root=True, spare_root_helpers=False
+            )
             result.killed += part.killed
             result.spared += part.spared
             result.survivors += part.survivors
@@ -195,5 +208,3 @@ def tree_alive(root_pid: int, exclude: set[int]) -> list[int]:
             if proc.status() != psutil.STATUS_ZOMBIE:
                 out.append(proc.pid)
     return out
-
-

@@ -22,12 +22,17 @@ class LoaderStats:
     start_method: str = ""
 
 
-def _loader(dataset_or_factory: Any, multiprocessing_context: str | None,
-            loader_kwargs: dict[str, Any]) -> Any:
+def _loader(
+    dataset_or_factory: Any, multiprocessing_context: str | None, loader_kwargs: dict[str, Any]
+) -> Any:
     from torch.utils.data import DataLoader, Dataset, IterableDataset
 
     made = dataset_or_factory
-    if callable(made) and not isinstance(made, (Dataset, IterableDataset)) and not hasattr(made, "__getitem__"):
+    if (
+        callable(made)
+        and not isinstance(made, (Dataset, IterableDataset))
+        and not hasattr(made, "__getitem__")
+    ):
         made = made()
     if isinstance(made, DataLoader):
         return made
@@ -37,8 +42,12 @@ def _loader(dataset_or_factory: Any, multiprocessing_context: str | None,
     return DataLoader(made, **kwargs)
 
 
-def iterate_loader(dataset_or_factory: Any, batches: int | None, multiprocessing_context: str | None,
-                   loader_kwargs: dict[str, Any]) -> LoaderStats:
+def iterate_loader(
+    dataset_or_factory: Any,
+    batches: int | None,
+    multiprocessing_context: str | None,
+    loader_kwargs: dict[str, Any],
+) -> LoaderStats:
     """Build the loader here, in the child, and time ``batches`` batches (all when None)."""
     loader = _loader(dataset_or_factory, multiprocessing_context, loader_kwargs)
     stats = LoaderStats()
@@ -48,7 +57,9 @@ def iterate_loader(dataset_or_factory: Any, batches: int | None, multiprocessing
     stats.worker_pids = [w.pid for w in workers]
     context = loader.multiprocessing_context
     if workers:
-        stats.start_method = context.get_start_method() if context is not None else workers[0]._start_method or ""
+        stats.start_method = (
+            context.get_start_method() if context is not None else workers[0]._start_method or ""
+        )
         if not stats.start_method:
             import multiprocessing
 
@@ -66,8 +77,17 @@ def iterate_loader(dataset_or_factory: Any, batches: int | None, multiprocessing
     return stats
 
 
-def rank_main(fn: Any, rank: int, world_size: int, backend: str, store_path: str, pg_timeout_s: float,
-              init_timeout_s: float, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def rank_main(
+    fn: Any,
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_path: str,
+    pg_timeout_s: float,
+    init_timeout_s: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
     """One rank: join the group through a FileStore, run ``fn(rank, world_size, ...)``, leave."""
     import torch.distributed as dist
 
@@ -75,10 +95,15 @@ def rank_main(fn: Any, rank: int, world_size: int, backend: str, store_path: str
         import torch
 
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES holds this rank's own GPU
-    store = dist.FileStore(store_path, world_size)
+    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
     store.set_timeout(timedelta(seconds=init_timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=pg_timeout_s))
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=pg_timeout_s),
+    )
     result = fn(rank, world_size, *args, **kwargs)
     dist.destroy_process_group()
     return result

@@ -25,11 +25,24 @@ GIL_GRACE_S = 3.0
 HARD_GRACE_S = 20.0
 
 
-def _take_over(pytest_pid: int, dump_dir: str, report_dir: str, test_id: str, timeout: float,
-               deadline: float, fired: bool) -> None:
+def _take_over(
+    pytest_pid: int,
+    dump_dir: str,
+    report_dir: str,
+    test_id: str,
+    timeout: float,
+    deadline: float,
+    fired: bool,
+) -> None:
     target = GuardTarget(
-        test_id=test_id, timeout_s=timeout, root_pid=pytest_pid, dump_dir=dump_dir,
-        started=deadline - timeout, exclude={os.getpid()}, root_in_process=False, kill_root=True,
+        test_id=test_id,
+        timeout_s=timeout,
+        root_pid=pytest_pid,
+        dump_dir=dump_dir,
+        started=deadline - timeout,
+        exclude={os.getpid()},
+        root_in_process=False,
+        kill_root=True,
     )
     report = capture(target)
     why = (
@@ -37,12 +50,15 @@ def _take_over(pytest_pid: int, dump_dir: str, report_dir: str, test_id: str, ti
         if fired
         else "the pytest process's own watchdog could not run"
     )
-    report.hints.insert(0, Hint(
-        f"{why}: its main thread is blocked in C code holding the GIL (or the process is frozen), "
-        "so nothing inside it can move. pytest-torchhang ends the whole session here; the stack "
-        "of the pytest process below shows the call that blocks.",
-        [f"pytest (pid {pytest_pid})"],
-    ))
+    report.hints.insert(
+        0,
+        Hint(
+            f"{why}: its main thread is blocked in C code holding the GIL (or the process is frozen), "
+            "so nothing inside it can move. pytest-torchhang ends the whole session here; the stack "
+            "of the pytest process below shows the call that blocks.",
+            [f"pytest (pid {pytest_pid})"],
+        ),
+    )
     banner = "!" * 30 + " pytest-torchhang: session stopped " + "!" * 30
     text = report.to_text().rsplit("\ncleanup:", 1)[0]  # printed before the kill: no cleanup yet
     sys.stderr.write(f"\n{banner}\n{text}\nkilling the whole tree, pytest included\n")
@@ -86,7 +102,9 @@ def main(argv: list[str]) -> int:
                 elif word == "DISARM":
                     armed, fired_at = None, None
         elif armed is not None and due is not None and time.monotonic() >= due:
-            _take_over(pytest_pid, dump_dir, report_dir, armed[2], armed[1], armed[0], fired_at is not None)
+            _take_over(
+                pytest_pid, dump_dir, report_dir, armed[2], armed[1], armed[0], fired_at is not None
+            )
             return 1
 
 

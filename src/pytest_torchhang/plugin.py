@@ -45,17 +45,17 @@ class _Session:
     saved_env: dict[str, str | None] = field(default_factory=dict)
     hangs: list[tuple[str, str]] = field(default_factory=list)  # (nodeid, headline)
     hang_files: int = 0
-    runner: runner.Runner | None = None
+    subprocess_runner: runner.Runner | None = None
 
     def get_runner(self) -> runner.Runner:
         """The subprocess runner (and its zygote), created on first use."""
-        if self.runner is None:
-            self.runner = runner.Runner()
-        return self.runner
+        if self.subprocess_runner is None:
+            self.subprocess_runner = runner.Runner()
+        return self.subprocess_runner
 
     def own_pids(self) -> set[int]:
         """The plugin's own processes: never part of a test's tree."""
-        pids = self.runner.helper_pids() if self.runner is not None else set()
+        pids = self.subprocess_runner.helper_pids() if self.subprocess_runner is not None else set()
         if self.monitor is not None:
             pids.add(self.monitor.ensure_started())
         return pids
@@ -86,8 +86,8 @@ class _Session:
                 json.dump(item.report.to_json(), out, indent=1, default=str)
 
     def close(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
+        if self.subprocess_runner is not None:
+            self.subprocess_runner.close()
         if self.watchdog is None:
             return
         self.watchdog.stop()
@@ -127,22 +127,35 @@ _ITEM_GUARD = pytest.StashKey[ItemGuard]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("torch-hang", "hang detection for PyTorch multiprocess tests")
     group.addoption(
-        settings.TIMEOUT_OPTION, dest="torch_hang_timeout", default=None, metavar="SECONDS",
+        settings.TIMEOUT_OPTION,
+        dest="torch_hang_timeout",
+        default=None,
+        metavar="SECONDS",
         help="Fail a test that runs longer than SECONDS, with the stacks of every process in its "
-             f"tree, then kill that tree; 0 turns it off (env {settings.TIMEOUT_ENV}, "
-             f"ini {settings.TIMEOUT_INI})",
+        f"tree, then kill that tree; 0 turns it off (env {settings.TIMEOUT_ENV}, "
+        f"ini {settings.TIMEOUT_INI})",
     )
     group.addoption(
-        settings.REPORT_DIR_OPTION, dest="torch_hang_report_dir", default=None, metavar="DIR",
+        settings.REPORT_DIR_OPTION,
+        dest="torch_hang_report_dir",
+        default=None,
+        metavar="DIR",
         help="Write one JSON report per hang into DIR",
     )
     group.addoption(
-        settings.NATIVE_OPTION, dest="torch_hang_native", action="store_true", default=False,
+        settings.NATIVE_OPTION,
+        dest="torch_hang_native",
+        action="store_true",
+        default=False,
         help="Add native stacks through py-spy where installed and permitted",
     )
-    parser.addini(settings.TIMEOUT_INI, "Seconds before a test counts as hung (0 = off)", default="")
+    parser.addini(
+        settings.TIMEOUT_INI, "Seconds before a test counts as hung (0 = off)", default=""
+    )
     parser.addini(settings.REPORT_DIR_INI, "Directory for one JSON report per hang", default="")
-    parser.addini(settings.NATIVE_INI, "Add native stacks through py-spy", type="bool", default=False)
+    parser.addini(
+        settings.NATIVE_INI, "Add native stacks through py-spy", type="bool", default=False
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -195,15 +208,22 @@ def _interrupt_handler(item: pytest.Item) -> signal.Handlers | object:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
     state = item.config.stash[_SESSION]
-    item_settings = item.stash.get(_ITEM_SETTINGS, None) or settings.item_settings(item, state.settings)
+    item_settings = item.stash.get(_ITEM_SETTINGS, None) or settings.item_settings(
+        item, state.settings
+    )
     if item_settings.timeout <= 0:
         return (yield)
     watchdog = state.activate()
     target = guard.GuardTarget(
-        test_id=item.nodeid, timeout_s=item_settings.timeout, root_pid=os.getpid(),
-        dump_dir=state.dump_dir, exclude=state.own_pids(),
+        test_id=item.nodeid,
+        timeout_s=item_settings.timeout,
+        root_pid=os.getpid(),
+        dump_dir=state.dump_dir,
+        exclude=state.own_pids(),
         shm_baseline=proctree.shm_entries(),
     )
     held = ItemGuard(target, target.started + item_settings.timeout, threading.get_ident())
@@ -246,12 +266,16 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+def pytest_runtest_teardown(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
     return (yield from _phase(item, "teardown"))
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     held = item.stash.get(_ITEM_GUARD, None)
     if held is None or held.fires == 0 or held.attached:
@@ -282,7 +306,9 @@ def _is_hang(report: pytest.TestReport | pytest.CollectReport) -> bool:
     return any(k == HANG_PROPERTY for k, _ in getattr(report, "user_properties", ()))
 
 
-def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> tuple[str, str, str] | None:
+def pytest_report_teststatus(
+    report: pytest.TestReport, config: pytest.Config
+) -> tuple[str, str, str] | None:
     if report.failed and _is_hang(report):
         # like any failure outside the test body, a hang in setup or teardown counts as an error
         category = "failed" if report.when == "call" else "error"
@@ -290,7 +316,9 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
     return None
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
     stats = terminalreporter.stats
     hangs = [r for r in stats.get("failed", []) + stats.get("error", []) if _is_hang(r)]
     if not hangs:
@@ -299,8 +327,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     for report in hangs:
         headline = next(v for k, v in report.user_properties if k == "torch_hang_headline")
         terminalreporter.write_line(str(headline))
-
-
 
 
 def _deadline(item: pytest.Item) -> float | None:
@@ -333,7 +359,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     deadline = _deadline(pyfuncitem)
     timeout = (
         max(deadline - time.monotonic() - fixtures.MARGIN_S, 0.1)
-        if deadline is not None else fixtures.DEFAULT_TIMEOUT_S
+        if deadline is not None
+        else fixtures.DEFAULT_TIMEOUT_S
     )
     fixtures.run_isolated(state.get_runner(), pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout)
     return True

@@ -208,13 +208,15 @@ def kill_tree(
             stable_rounds += 1
             continue  # list again: a process may have forked before it was frozen
         for proc in targets:
-            if signal_process(seen[proc.pid], signal.SIGKILL):
-                if seen[proc.pid] not in result.killed:
-                    result.killed.append(seen[proc.pid])
+            ident = seen[proc.pid]
+            if signal_process(ident, signal.SIGKILL) and ident not in result.killed:
+                result.killed.append(ident)
         now = time.monotonic()
         for pid, (ident, give_up) in list(graceful.items()):
             try:
-                gone = not same_process(psutil.Process(pid), ident) or _is_zombie(psutil.Process(pid))
+                gone = not same_process(psutil.Process(pid), ident) or _is_zombie(
+                    psutil.Process(pid)
+                )
             except psutil.Error:
                 gone = True
             if gone:
@@ -273,9 +275,9 @@ def _tell_multiprocessing(reaped: dict[int, int]) -> None:
         return
     for child in list(getattr(mp_process, "_children", ())):
         popen = getattr(child, "_popen", None)
-        if popen is not None and getattr(popen, "pid", None) in reaped:
-            if getattr(popen, "returncode", 0) is None:
-                popen.returncode = reaped[popen.pid]
+        pid = getattr(popen, "pid", None)
+        if popen is not None and pid in reaped and getattr(popen, "returncode", 0) is None:
+            popen.returncode = reaped[pid]
 
 
 def shm_entries() -> set[str]:

@@ -75,7 +75,7 @@ class HangReport:
         out.append(self._kill_summary())
         text = "\n".join(out)
         if len(text) > MAX_TEXT_CHARS:
-            text = text[:MAX_TEXT_CHARS] + "\n... report cut at %d characters" % MAX_TEXT_CHARS
+            text = text[:MAX_TEXT_CHARS] + f"\n... report cut at {MAX_TEXT_CHARS} characters"
         return text
 
     def _kill_summary(self) -> str:
@@ -100,7 +100,9 @@ class HangReport:
 
 def _process_text(proc: ProcessReport) -> list[str]:
     mib = proc.rss_bytes / (1 << 20)
-    busy = f", +{proc.cpu_delta_s:.2f}s CPU during capture (busy)" if proc.cpu_delta_s >= 0.05 else ""
+    busy = (
+        f", +{proc.cpu_delta_s:.2f}s CPU during capture (busy)" if proc.cpu_delta_s >= 0.05 else ""
+    )
     out = [
         f"--- process {proc.pid} [{proc.role}] parent {proc.ppid}, {proc.state}, "
         f"cpu {proc.cpu_s:.2f}s{busy}, rss {mib:.0f} MiB, {proc.num_threads} threads, "

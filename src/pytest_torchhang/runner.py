@@ -55,7 +55,9 @@ class Zygote:
     def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pytest_torchhang.zygote"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
         )
         self._buffer = b""
         self.exits: dict[int, int] = {}
@@ -96,7 +98,9 @@ class Zygote:
         while not done():
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.alive():
-                raise RuntimeError(f"the pytest-torchhang zygote did not manage {what} in {timeout:.0f}s")
+                raise RuntimeError(
+                    f"the pytest-torchhang zygote did not manage {what} in {timeout:.0f}s"
+                )
             self._pump(min(remaining, 0.5))
 
     def fork(self, request_path: str) -> int:
@@ -179,17 +183,35 @@ class Runner:
             self._zygote = Zygote(self._child_env())
         return self._zygote
 
-    def start(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, method: str,
-              role: str, env: dict[str, str | None] | None = None) -> Child:
+    def start(
+        self,
+        fn: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        method: str,
+        role: str,
+        env: dict[str, str | None] | None = None,
+    ) -> Child:
         """Start one child running ``fn(*args, **kwargs)``; pickling errors are raised here."""
         if method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {method!r}")
+            raise ValueError(
+                f"start_method must be one of {', '.join(START_METHODS)}, got {method!r}"
+            )
         payload = pickle.dumps((fn, args, kwargs))
         n = next(self._ids)
         base = os.path.join(self.workdir, f"{os.getpid()}-{n}")
         child_env: dict[str, str | None] = {DUMP_DIR_ENV: self.dump_dir, **(env or {})}
-        header = (f"{base}.result", f"{base}.crash", self.dump_dir, role, child_env, list(sys.path),
-                  os.getcwd(), f"{base}.out")
+        header = (
+            f"{base}.result",
+            f"{base}.crash",
+            self.dump_dir,
+            role,
+            child_env,
+            list(sys.path),
+            os.getcwd(),
+            f"{base}.out",
+        )
         request = f"{base}.request"
         with open(request, "wb") as out:
             pickle.dump(header, out)
@@ -204,7 +226,9 @@ class Runner:
                     spawn_env.pop(key, None)
                 else:
                     spawn_env[key] = value
-            popen = subprocess.Popen([sys.executable, "-m", "pytest_torchhang.child", request], env=spawn_env)
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "pytest_torchhang.child", request], env=spawn_env
+            )
             pid = popen.pid
         else:
             import multiprocessing
@@ -215,13 +239,22 @@ class Runner:
                 target=run_request, args=(request,), name=role, daemon=False
             )
             mp_process.start()
+            assert mp_process.pid is not None
             pid = mp_process.pid
         try:
             ident = ProcessId(pid, psutil.Process(pid).create_time())
         except psutil.Error:
             ident = ProcessId(pid, 0.0)
-        return Child(ident, role, method, f"{base}.result", f"{base}.crash", f"{base}.out",
-                     popen=popen, mp_process=mp_process)
+        return Child(
+            ident,
+            role,
+            method,
+            f"{base}.result",
+            f"{base}.crash",
+            f"{base}.out",
+            popen=popen,
+            mp_process=mp_process,
+        )
 
     def poll(self, child: Child) -> bool:
         """True once the child has exited (its exit code and outcome are then set)."""
@@ -247,7 +280,10 @@ class Runner:
     def peek(self, child: Child) -> Outcome | None:
         """The child's outcome as soon as it is written, even while the child still runs."""
         if child.outcome is None and os.path.exists(child.result_path):
-            with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), open(child.result_path, "rb") as raw:
+            with (
+                contextlib.suppress(OSError, EOFError, pickle.UnpicklingError),
+                open(child.result_path, "rb") as raw,
+            ):
                 child.outcome = pickle.load(raw)
                 child.ended = min(child.ended, time.monotonic())
         return child.outcome
@@ -299,13 +335,22 @@ def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error
         delay = min(delay * 2, 0.02)
 
 
-def hang_report(runner: Runner, children: list[Child], label: str, timeout: float) -> guard.HangReport:
+def hang_report(
+    runner: Runner, children: list[Child], label: str, timeout: float
+) -> guard.HangReport:
     """Capture and kill the trees of ``children`` that still run; the report says where they were."""
     live = [c for c in children if runner.is_running(c)]
     target = guard.GuardTarget(
-        test_id=label, timeout_s=timeout, root_pid=os.getpid(), dump_dir=runner.dump_dir,
-        started=min(c.started for c in children), roots=[c.pid for c in live],
-        exclude=runner.helper_pids(), root_in_process=False, kill_root=True, root_role="",
+        test_id=label,
+        timeout_s=timeout,
+        root_pid=os.getpid(),
+        dump_dir=runner.dump_dir,
+        started=min(c.started for c in children),
+        roots=[c.pid for c in live],
+        exclude=runner.helper_pids(),
+        root_in_process=False,
+        kill_root=True,
+        root_role="",
     )
     report = guard.capture(target)
     guard.kill(target, report)
@@ -319,8 +364,14 @@ def stop(runner: Runner, children: list[Child]) -> None:
     if not live:
         return
     target = guard.GuardTarget(
-        test_id="", timeout_s=0, root_pid=os.getpid(), dump_dir=None, roots=[c.pid for c in live],
-        exclude=runner.helper_pids(), root_in_process=False, kill_root=True,
+        test_id="",
+        timeout_s=0,
+        root_pid=os.getpid(),
+        dump_dir=None,
+        roots=[c.pid for c in live],
+        exclude=runner.helper_pids(),
+        root_in_process=False,
+        kill_root=True,
     )
     guard.kill(target)
     _reap(runner, live)
@@ -344,8 +395,10 @@ def raise_outcome(runner: Runner, child: Child) -> Any:
     if outcome is not None and outcome.ok:
         return outcome.value
     if outcome is not None:
-        exc = outcome.value if isinstance(outcome.value, BaseException) else RuntimeError(
-            f"{outcome.exc_type}: {outcome.exc_message}"
+        exc = (
+            outcome.value
+            if isinstance(outcome.value, BaseException)
+            else RuntimeError(f"{outcome.exc_type}: {outcome.exc_message}")
         )
         exc.__cause__ = RemoteTraceback(outcome.traceback)
         exc.add_note(f"raised in {child.role} (pid {child.pid}); its traceback is shown above")
@@ -360,7 +413,8 @@ def raise_outcome(runner: Runner, child: Child) -> Any:
         raise ChildCrashed(message, signal=sig.split()[0], exitcode=code, crash_trace=crash)
     raise ChildCrashed(
         f"{child.role} (pid {child.pid}) exited with code {code} without returning a result",
-        exitcode=code, crash_trace=crash,
+        exitcode=code,
+        crash_trace=crash,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,7 @@ class ItemSettings:
     isolate: bool
 
 
-def _marker_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+def _marker_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, bool]:
     unknown = set(kwargs) - {"timeout", "isolate"}
     if unknown or len(args) > 1:
         raise TypeError(f"takes (timeout=None, isolate=False), got args={args!r} kwargs={kwargs!r}")

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 
 from ._hook import DUMP_SIGNAL, dump_path
 from .proctree import ProcessId, signal_process
@@ -92,10 +93,10 @@ def trim_pytest_frames(stack: ThreadStack) -> None:
     """Cut pytest's and pluggy's own frames below the test code (they say nothing about a hang)."""
     frames = stack.frames
     for i, frame in enumerate(frames):
-        if i > 0 and any(part in frame.filename for part in _PYTEST_INTERNALS):
-            if not any(part in frames[i - 1].filename for part in _PYTEST_INTERNALS):
-                stack.frames = frames[:i] + [Frame("<pytest>", 0, "... pytest's own frames cut")]
-                return
+        internal = any(part in frame.filename for part in _PYTEST_INTERNALS)
+        if i > 0 and internal and not any(p in frames[i - 1].filename for p in _PYTEST_INTERNALS):
+            stack.frames = [*frames[:i], Frame("<pytest>", 0, "... pytest's own frames cut")]
+            return
 
 
 def in_process_threads(skip_idents: set[int] | None = None) -> list[ThreadStack]:
@@ -106,8 +107,10 @@ def in_process_threads(skip_idents: set[int] | None = None) -> list[ThreadStack]
     for ident, top in sys._current_frames().items():
         if skip_idents and ident in skip_idents:
             continue
-        stack = ThreadStack(ident=hex(ident), name=names.get(ident, ""), current=ident == main_ident)
-        frame = top
+        stack = ThreadStack(
+            ident=hex(ident), name=names.get(ident, ""), current=ident == main_ident
+        )
+        frame: FrameType | None = top
         while frame is not None:
             if len(stack.frames) >= MAX_FRAMES:
                 stack.truncated = True
@@ -161,7 +164,9 @@ def _size(path: str) -> int:
         return -1
 
 
-def request_dumps(procs: list[ProcessId], dump_dir: str | None, budget_s: float = 2.0) -> dict[int, Dump]:
+def request_dumps(
+    procs: list[ProcessId], dump_dir: str | None, budget_s: float = 2.0
+) -> dict[int, Dump]:
     """Ask each process for its stacks through the injected handler and collect the answers.
 
     A process is only signalled when it catches the dump signal and still holds its own dump file
@@ -183,7 +188,9 @@ def request_dumps(procs: list[ProcessId], dump_dir: str | None, budget_s: float 
             continue
         path = dump_path(dump_dir, pid)
         if not _holds_dump_file(pid, path):
-            dumps[pid] = Dump("no stack: the process closed or replaced its dump file", was_stopped=stopped)
+            dumps[pid] = Dump(
+                "no stack: the process closed or replaced its dump file", was_stopped=stopped
+            )
             continue
         offset = max(_size(path), 0)
         if not signal_process(ident, DUMP_SIGNAL):

@@ -65,10 +65,21 @@ class MonitorClient:
         read_fd, write_fd = os.pipe()
         env = {k: v for k, v in os.environ.items() if k != DUMP_DIR_ENV}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest_torchhang.monitor", str(os.getpid()), str(read_fd),
-             self._dump_dir, self._report_dir or ""],
-            pass_fds=(read_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=self._stderr_fd, env=env, close_fds=True,
+            [
+                sys.executable,
+                "-m",
+                "pytest_torchhang.monitor",
+                str(os.getpid()),
+                str(read_fd),
+                self._dump_dir,
+                self._report_dir or "",
+            ],
+            pass_fds=(read_fd,),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr_fd,
+            env=env,
+            close_fds=True,
         )
         os.close(read_fd)
         os.set_inheritable(write_fd, False)

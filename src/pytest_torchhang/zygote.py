@@ -9,6 +9,7 @@ fork hang in libgomp: nothing here may run one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -37,10 +38,8 @@ def main() -> int:
     die_with_parent()
     preload = os.environ.get("PYTEST_TORCH_HANG_ZYGOTE_PRELOAD", "torch").split(",")
     for name in filter(None, preload):
-        try:
+        with contextlib.suppress(ImportError):
             __import__(name)
-        except ImportError:
-            pass
     from . import child  # noqa: F401 - warm the child's imports too
 
     events = sys.stdout.buffer
@@ -68,10 +67,8 @@ def main() -> int:
                 events.write(f"EXIT {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
         events.flush()
     for pid in children:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     return 0
 
 

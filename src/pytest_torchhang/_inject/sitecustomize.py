@@ -26,7 +26,7 @@ def _torchhang_bootstrap() -> None:
     _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != here]
     me = _sys.modules.pop("sitecustomize", None)
     try:
-        import sitecustomize  # noqa: F401 - the one we shadowed, if any
+        import sitecustomize  # type: ignore[import-not-found]  # noqa: F401 - the one we shadowed
     except ImportError:
         if me is not None:  # site.py expects a module under this name once we return
             _sys.modules["sitecustomize"] = me
