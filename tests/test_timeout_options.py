@@ -179,7 +179,7 @@ def test_without_a_timeout_the_plugin_is_inert(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_inert=INERT)
     session = guarded.run(timeout=None)
     session.result.assert_outcomes(passed=1)
-    assert "torch-hang" not in session.result.stdout.str()
+    assert "torch-hang summary" not in session.result.stdout.str()
 
 
 def test_a_passing_suite_under_a_timeout_just_passes(guarded: GuardedRunner) -> None:

@@ -12,11 +12,14 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
 import pytest
+from _pytest._code.code import TerminalRepr
+from _pytest._io import TerminalWriter
 
 from . import _hook, devices, fixtures, guard, proctree, runner, settings
 from .exceptions import HangError
@@ -45,6 +48,7 @@ class _Session:
     saved_env: dict[str, str | None] = field(default_factory=dict)
     hangs: list[tuple[str, str]] = field(default_factory=list)  # (nodeid, headline)
     hang_files: int = 0
+    current: ItemGuard | None = None
     subprocess_runner: runner.Runner | None = None
 
     def get_runner(self) -> runner.Runner:
@@ -76,14 +80,21 @@ class _Session:
         return self.watchdog
 
     def _on_report(self, item: ItemGuard) -> None:
+        """Called by the watchdog thread once a hang was captured and its tree killed."""
+
+    def write_json(self, hang: HangReport) -> str | None:
+        """One JSON file per hang in the report directory; names never collide under xdist."""
         report_dir = self.settings.report_dir
-        if report_dir and item.report is not None:
-            os.makedirs(report_dir, exist_ok=True)
-            self.hang_files += 1
-            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.target.test_id)[-120:]
-            path = os.path.join(report_dir, f"{safe}-{os.getpid()}-{self.hang_files}.json")
-            with open(path, "w") as out:
-                json.dump(item.report.to_json(), out, indent=1, default=str)
+        if not report_dir:
+            return None
+        os.makedirs(report_dir, exist_ok=True)
+        self.hang_files += 1
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", hang.test_id)[-120:]
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        path = os.path.join(report_dir, f"{safe}-{worker}-{os.getpid()}-{self.hang_files}.json")
+        with open(path, "w") as out:
+            json.dump(hang.to_json(), out, indent=1, default=str)
+        return path
 
     def close(self) -> None:
         if self.subprocess_runner is not None:
@@ -117,6 +128,35 @@ def _reap_zombie_children() -> None:
             return
         if pid == 0:
             return
+
+
+@dataclass(frozen=True)
+class _Crash:
+    """What pytest's short summary and JUnit XML read from ``longrepr.reprcrash``."""
+
+    message: str
+    path: str = ""
+    lineno: int = 0
+
+
+class HangLongRepr(TerminalRepr):
+    """A hang's ``longrepr``: the headline is the failure message, the report is the text."""
+
+    def __init__(self, headline: str, text: str, path: str = "", lineno: int = 0) -> None:
+        self.reprcrash = _Crash(headline, path, lineno)
+        self.text = text
+
+    def toterminal(self, tw: TerminalWriter) -> None:
+        for number, line in enumerate(self.text.splitlines()):
+            if number == 0:
+                tw.line(line, red=True, bold=True)
+            elif line.startswith("hint:"):
+                tw.line(line, yellow=True, bold=True)
+            else:
+                tw.line(line)
+
+    def __str__(self) -> str:
+        return self.text
 
 
 _SESSION = pytest.StashKey[_Session]()
@@ -196,7 +236,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.stash[_ITEM_SETTINGS] = settings.item_settings(item, state.settings)
 
 
-def _interrupt_handler(item: pytest.Item) -> signal.Handlers | object:
+def _interrupt_handler(item: pytest.Item) -> Callable[[int, FrameType | None], None]:
     def handler(signum: int, frame: FrameType | None) -> None:
         held = item.stash.get(_ITEM_GUARD, None)
         if held is None or not held.in_phase or held.report is None:
@@ -207,7 +247,50 @@ def _interrupt_handler(item: pytest.Item) -> signal.Handlers | object:
     return handler
 
 
-@pytest.hookimpl(wrapper=True)
+def _arm(item: pytest.Item, timeout_s: float) -> ItemGuard:
+    """Put ``item`` under a deadline ``timeout_s`` from now (or tighten the one it has)."""
+    state = item.config.stash[_SESSION]
+    watchdog = state.activate()
+    held = item.stash.get(_ITEM_GUARD, None)
+    deadline = time.monotonic() + timeout_s
+    if held is not None:
+        if deadline < held.deadline and held.fires == 0:
+            held.deadline = deadline
+            held.target.timeout_s = min(held.target.timeout_s, timeout_s)
+            watchdog.arm(held)
+        return held
+    target = guard.GuardTarget(
+        test_id=item.nodeid,
+        timeout_s=timeout_s,
+        root_pid=os.getpid(),
+        dump_dir=state.dump_dir,
+        exclude=state.own_pids(),
+        shm_baseline=proctree.shm_entries(),
+    )
+    held = ItemGuard(target, deadline, threading.get_ident(), item=item)
+    if threading.current_thread() is threading.main_thread():
+        held.previous_handler = signal.signal(INTERRUPT_SIGNAL, _interrupt_handler(item))
+    item.stash[_ITEM_GUARD] = held
+    state.current = held
+    watchdog.arm(held)
+    return held
+
+
+def _disarm(item: pytest.Item) -> None:
+    """Lift ``item``'s deadline: after the test, or when a debugger takes over."""
+    held = item.stash.get(_ITEM_GUARD, None)
+    state = item.config.stash[_SESSION]
+    if held is None or held.disarmed:
+        return
+    held.disarmed = True
+    if state.watchdog is not None:
+        state.watchdog.disarm()
+    if held.previous_handler is not None:
+        signal.signal(INTERRUPT_SIGNAL, held.previous_handler)
+    state.current = None
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(
     item: pytest.Item, nextitem: pytest.Item | None
 ) -> Generator[None, object, object]:
@@ -215,32 +298,50 @@ def pytest_runtest_protocol(
     item_settings = item.stash.get(_ITEM_SETTINGS, None) or settings.item_settings(
         item, state.settings
     )
-    if item_settings.timeout <= 0:
-        return (yield)
-    watchdog = state.activate()
-    target = guard.GuardTarget(
-        test_id=item.nodeid,
-        timeout_s=item_settings.timeout,
-        root_pid=os.getpid(),
-        dump_dir=state.dump_dir,
-        exclude=state.own_pids(),
-        shm_baseline=proctree.shm_entries(),
-    )
-    held = ItemGuard(target, target.started + item_settings.timeout, threading.get_ident())
-    item.stash[_ITEM_GUARD] = held
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(INTERRUPT_SIGNAL, _interrupt_handler(item))  # type: ignore[arg-type]
-    watchdog.arm(held)
+    if item_settings.timeout > 0:
+        _arm(item, item_settings.timeout)
     try:
         return (yield)
     finally:
-        watchdog.disarm()
-        if previous is not None:
-            signal.signal(INTERRUPT_SIGNAL, previous)
-        if held.fires:
-            held.done.wait(PIPELINE_WAIT_S)
-        del item.stash[_ITEM_GUARD]
+        held = item.stash.get(_ITEM_GUARD, None)
+        if held is not None:
+            _disarm(item)
+            if held.fires:
+                held.done.wait(PIPELINE_WAIT_S)
+            del item.stash[_ITEM_GUARD]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool:
+    """Take over pytest-timeout's ``--timeout`` / ``@pytest.mark.timeout`` deadline.
+
+    The test then gets the whole-tree report and cleanup instead of pytest-timeout's stack dump
+    and ``os._exit`` (thread method) or bare SIGALRM (signal method). When both plugins set a
+    timeout, the earlier deadline applies.
+    """
+    _arm(item, float(settings.timeout))
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool:
+    # Our protocol wrapper lifts the deadline after teardown; here only pdb's post-mortem
+    # (pytest-timeout calls this from pytest_exception_interact) matters, handled below.
+    return True
+
+
+def pytest_enter_pdb(config: pytest.Config) -> None:
+    """No hang is declared, and nothing killed, while a user sits in the debugger."""
+    state = config.stash.get(_SESSION, None)
+    if state is not None and state.current is not None:
+        item = state.current.item
+        if item is not None:
+            _disarm(item)
+
+
+def pytest_exception_interact(node: pytest.Item | pytest.Collector) -> None:
+    if isinstance(node, pytest.Item) and node.config.getvalue("usepdb"):
+        _disarm(node)
 
 
 def _phase(item: pytest.Item, name: str) -> Generator[None, object, object]:
@@ -293,17 +394,49 @@ def pytest_runtest_makereport(
 
 
 def _mark_hang(item: pytest.Item, report: pytest.TestReport, hang: HangReport) -> None:
+    state = item.config.stash[_SESSION]
+    path, lineno, _ = item.location
     report.outcome = "failed"
-    report.longrepr = hang.to_text()
+    report.longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
     report.user_properties.append((HANG_PROPERTY, "true"))
     report.user_properties.append(("torch_hang_timeout", f"{hang.timeout_s:g}"))
     report.user_properties.append(("torch_hang_processes", str(len(hang.processes))))
     report.user_properties.append(("torch_hang_headline", hang.headline))
-    item.config.stash[_SESSION].hangs.append((item.nodeid, hang.headline))
+    json_path = state.write_json(hang)
+    if json_path:
+        report.user_properties.append(("torch_hang_report", json_path))
+    state.hangs.append((item.nodeid, hang.headline))
 
 
 def _is_hang(report: pytest.TestReport | pytest.CollectReport) -> bool:
     return any(k == HANG_PROPERTY for k, _ in getattr(report, "user_properties", ()))
+
+
+def _headline(report: pytest.TestReport) -> str:
+    return str(next((v for k, v in report.user_properties if k == "torch_hang_headline"), ""))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_from_serializable(
+    config: pytest.Config, data: dict[str, object]
+) -> pytest.TestReport | None:
+    """On the pytest-xdist controller, give a worker's hang report its headline back.
+
+    A worker sends a hang's longrepr as plain text; rebuilt here, the controller's JUnit XML and
+    short summary show the headline as the failure message, as they do without xdist.
+    """
+    if data.get("$report_type") != "TestReport":
+        return None
+    properties = data.get("user_properties")
+    if not isinstance(properties, list) or not any(
+        isinstance(p, (list, tuple)) and p and p[0] == HANG_PROPERTY for p in properties
+    ):
+        return None
+    report = pytest.TestReport._from_json(data)
+    if isinstance(report.longrepr, str):
+        path, lineno, _ = report.location
+        report.longrepr = HangLongRepr(_headline(report), report.longrepr, path, (lineno or 0) + 1)
+    return report
 
 
 def pytest_report_teststatus(
@@ -325,8 +458,24 @@ def pytest_terminal_summary(
         return
     terminalreporter.write_sep("=", "torch-hang summary", red=True, bold=True)
     for report in hangs:
-        headline = next(v for k, v in report.user_properties if k == "torch_hang_headline")
-        terminalreporter.write_line(str(headline))
+        terminalreporter.write_line(_headline(report))
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        for report in hangs:  # one annotation per hang, on the test's line
+            path, lineno, _ = report.location
+            message = _gh_data(f"{_headline(report)} (the job log has every process's stack)")
+            terminalreporter.write_line(
+                f"::error file={_gh_property(path)},line={(lineno or 0) + 1},title=HANG::{message}"
+            )
+
+
+def _gh_data(text: str) -> str:
+    """Escape a workflow command's message (GitHub Actions' rules)."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _gh_property(text: str) -> str:
+    """Escape a workflow command's property value (GitHub Actions' rules)."""
+    return _gh_data(text).replace(":", "%3A").replace(",", "%2C")
 
 
 def _deadline(item: pytest.Item) -> float | None:

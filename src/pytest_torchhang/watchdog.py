@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import guard
 from ._hook import DUMP_DIR_ENV
@@ -45,6 +46,9 @@ class ItemGuard:
     in_phase: bool = False
     raised: bool = False
     attached: bool = False
+    disarmed: bool = False
+    previous_handler: Any = None
+    item: Any = None  # the pytest item, for hooks that get none (pytest_enter_pdb)
 
 
 class MonitorClient:
