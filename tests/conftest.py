@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -67,16 +68,35 @@ class GuardedRunner:
         self.monkeypatch = monkeypatch
 
     def run(
-        self, *args: str, timeout: float | None = 2, wait_s: float = 180, grace_s: float = 10
+        self,
+        *args: str,
+        timeout: float | None = 2,
+        wait_s: float = 180,
+        grace_s: float = 10,
+        stdin: bytes | None = None,
     ) -> Session:
         tag = uuid.uuid4().hex
         self.monkeypatch.setenv(TAG_ENV, tag)
         shm_before = shm_entries()
         extra = [f"--torch-hang-timeout={timeout}"] if timeout is not None else []
         start = time.monotonic()
-        result = self.pytester.runpytest_subprocess(
-            "-p", "no:cacheprovider", *extra, *args, timeout=wait_s
-        )
+        if stdin is None:
+            result = self.pytester.runpytest_subprocess(
+                "-p", "no:cacheprovider", *extra, *args, timeout=wait_s
+            )
+        else:  # runpytest_subprocess cannot feed stdin (a debugger session needs it)
+            basetemp = self.pytester.path / "basetemp-stdin"
+            result = self.pytester.run(
+                sys.executable,
+                "-mpytest",
+                f"--basetemp={basetemp}",
+                "-p",
+                "no:cacheprovider",
+                *extra,
+                *args,
+                timeout=wait_s,
+                stdin=stdin,
+            )
         wall = time.monotonic() - start
         # Session helpers (resource_tracker, forkserver) exit by themselves once pytest is gone:
         # give them a moment, then anything of this session still alive is a leak.
@@ -106,7 +126,8 @@ def guarded(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Itera
 def assert_hang(session: Session, test_name: str, *expected: str) -> str:
     """The test failed as a hang and its report holds ``expected`` lines (fnmatch patterns)."""
     report = session.report_of(test_name)
-    first = report.splitlines()[1]
+    lines = report.splitlines()
+    first = lines[2] if lines[1].startswith("[gw") else lines[1]  # xdist names the worker first
     assert first.startswith("HANG after "), report[:2000]
     missing = [pattern for pattern in expected if not _matches(report, pattern)]
     assert not missing, f"missing {missing} in:\n{report[:6000]}"

@@ -315,6 +315,7 @@ class GpuLease:
     indices: tuple[int, ...]
     waited_s: float
     _fds: list[int] = field(default_factory=list, repr=False)
+    devices: tuple[str, ...] = ()  # their CUDA_VISIBLE_DEVICES entries, set by the plugin
 
     def release(self) -> None:
         """Give the GPUs back (idempotent)."""
@@ -494,12 +495,28 @@ def leased_gpus(item: pytest.Item) -> list[int] | None:
     Indices count the session's visible GPUs (0 is the first GPU pytest itself could see). From
     setup through teardown ``CUDA_VISIBLE_DEVICES`` names exactly these GPUs, in this order, so
     the test and its children see them as ``cuda:0`` .. ``cuda:n-1``: rank ``r`` of a
-    distributed test belongs on ``cuda:r``. Empty while the test holds no lease (before setup,
-    after teardown, or when it was skipped).
+    distributed test belongs on ``cuda:r``, or on ``leased_devices(item)[r]`` alone. Empty while
+    the test holds no lease (before setup, after teardown, or when it was skipped).
     """
     lease = item.stash.get(_LEASE, None)
     if lease is not None:
         return list(lease.indices)
+    if item.get_closest_marker(GPU_MARKER) is None:
+        return None
+    return []
+
+
+def leased_devices(item: pytest.Item) -> list[str] | None:
+    """The ``CUDA_VISIBLE_DEVICES`` entries of the GPUs leased to ``item``, like ``leased_gpus``.
+
+    ``",".join(leased_devices(item))`` is what ``CUDA_VISIBLE_DEVICES`` holds while the test
+    runs; entry ``r`` alone is the value for a child that should see only rank ``r``'s GPU
+    (indices are translated through any ``CUDA_VISIBLE_DEVICES`` pytest was started with, and
+    may be UUIDs).
+    """
+    lease = item.stash.get(_LEASE, None)
+    if lease is not None:
+        return list(lease.devices)
     if item.get_closest_marker(GPU_MARKER) is None:
         return None
     return []
@@ -697,7 +714,8 @@ class DevicePlugin:
             finally:
                 del item.stash[_SETUP_ERROR]
             return
-        visible = ",".join(inventory.devices[i] for i in lease.indices)
+        lease.devices = tuple(inventory.devices[i] for i in lease.indices)
+        visible = ",".join(lease.devices)
         properties = [
             (_GPUS_PROPERTY, ",".join(map(str, lease.indices))),
             (_WAIT_PROPERTY, f"{lease.waited_s:.2f}"),

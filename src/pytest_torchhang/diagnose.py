@@ -211,7 +211,7 @@ def label_roles(
 
 
 _USER_FRAME_WINDOW = 6
-_HELPER_ROLES = ("Manager server", "resource_tracker", "forkserver", "torch_shm_manager", "zygote")
+HELPER_ROLES = ("Manager server", "resource_tracker", "forkserver", "torch_shm_manager", "zygote")
 
 
 def stuck_at(proc: ProcessReport) -> str:
@@ -243,7 +243,7 @@ def headline(test_id: str, elapsed: float, processes: list[ProcessReport], root_
         root = next((p for p in processes if p.pid == root_pid), None)
         return head + (f", stuck in {root.stuck_at}" if root and root.stuck_at else "")
     # helpers wait by design; count them only when nothing else is stuck
-    main_actors = [p for p in others if not p.role.startswith(_HELPER_ROLES)] or others
+    main_actors = [p for p in others if not p.role.startswith(HELPER_ROLES)] or others
     groups = Counter((_role_kind(p.role), p.stuck_at) for p in main_actors)
     (kind, where), count = groups.most_common(1)[0]
     return f"{head}, {count} stuck in {kind} {where}"
@@ -318,6 +318,119 @@ def _hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
             )
         )
     return hints
+
+
+def _world_size(proc: ProcessReport) -> int | None:
+    try:
+        return int(proc.role.split()[1].split("/")[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _hint_rank_gone(procs: list[ProcessReport]) -> list[Hint]:
+    ranks = [p for p in procs if p.role.startswith("rank ")]
+    sizes = {_world_size(p) for p in ranks} - {None}
+    if not ranks or len(sizes) != 1:
+        return []
+    size = sizes.pop()
+    assert size is not None
+    present = {_rank_no(p).split("/")[0] for p in ranks}
+    missing = sorted(set(map(str, range(size))) - present, key=int)
+    waiting = [p for p in ranks if _collective(p)]
+    if not missing or not waiting:
+        return []
+    where = ", ".join(f"rank {_rank_no(p)} in {_collective(p)}" for p in waiting)
+    return [
+        Hint(
+            f"rank(s) {', '.join(missing)} of {size} are no longer running (they returned, exited or "
+            f"crashed) while {where}: a rank that leaves early, or dies, leaves its peers waiting; "
+            "look at how that rank ended (its exception or exit code, or an OOM kill).",
+            [f"{p.role} (pid {p.pid}) in {_collective(p)}" for p in waiting],
+        )
+    ]
+
+
+_BLOCKING_CALLS = (
+    "sleep(",
+    "acquire(",
+    "join(",
+    ".get(",
+    "recv",
+    "read(",
+    "wait(",
+    "select(",
+    "accept(",
+)
+
+
+def _hint_openmp_after_fork(procs: list[ProcessReport]) -> list[Hint]:
+    by_pid = {p.pid: p for p in procs}
+    hits = []
+    for proc in procs:
+        parent = by_pid.get(proc.ppid)
+        main = _main_thread(proc)
+        if (
+            parent is None
+            or main is None
+            or not main.frames
+            or proc.cmdline != parent.cmdline
+            or proc.role.startswith("DataLoader worker")
+            or proc.cpu_delta_s >= 0.05
+            or proc.num_threads != 1
+            or parent.num_threads < 2
+        ):
+            continue
+        top = main.frames[0]
+        line = top.line
+        if _is_library(top) or not line or any(call in line for call in _BLOCKING_CALLS):
+            continue
+        if "torch" in line or "@" in line or "." in line:
+            hits.append(
+                f"{proc.role} (pid {proc.pid}), forked from pid {parent.pid} ({parent.num_threads} threads), "
+                f"at {top.filename}:{top.lineno}: {line}"
+            )
+    if not hits:
+        return []
+    return [
+        Hint(
+            f"{len(hits)} forked process(es) are stuck in a C call made straight from their code, with no "
+            "CPU use and a single thread, and were forked from a multi-threaded parent: if that call is "
+            "a torch op, this is OpenMP after fork (the parent ran torch ops before forking; its thread "
+            "pool does not survive fork). Call torch.set_num_threads(1) in the child before any op, or "
+            "start it with spawn/forkserver.",
+            hits,
+        )
+    ]
+
+
+def _maps_cuda(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return any("libcuda.so" in line for line in maps)
+    except OSError:
+        return False
+
+
+def _hint_cuda_before_fork(procs: list[ProcessReport]) -> list[Hint]:
+    by_pid = {p.pid: p for p in procs}
+    hits = [
+        f"{p.role} (pid {p.pid}), forked from pid {p.ppid}"
+        for p in procs
+        if (parent := by_pid.get(p.ppid)) is not None
+        and p.cmdline == parent.cmdline
+        and _maps_cuda(parent.pid)
+        and any("torch/cuda" in f.filename for f in _frames(p))
+    ]
+    if not hits:
+        return []
+    return [
+        Hint(
+            f"{len(hits)} process(es) use CUDA after being forked from a process that had initialised "
+            "CUDA (libcuda is loaded in the parent): CUDA state does not survive fork. Start workers "
+            "with spawn or forkserver, or initialise CUDA only in the children.",
+            hits,
+        )
+    ]
 
 
 def _source_mentions_lock(frame: Frame) -> bool:
@@ -482,10 +595,13 @@ def _hint_busy(procs: list[ProcessReport]) -> list[Hint]:
 
 _RULES = (
     _hint_collectives,
+    _hint_rank_gone,
     _hint_worker_lock,
     _hint_queue_join,
     _hint_manager,
     _hint_pipe,
+    _hint_openmp_after_fork,
+    _hint_cuda_before_fork,
     _hint_busy,
 )
 

@@ -49,7 +49,9 @@ class TorchHang:
         test_id: str,
         deadline: float | None,
         gpus: list[int] | None = None,
+        native: bool = False,
     ) -> None:
+        self._native = native
         self._get_runner = get_runner
         self._test_id = test_id
         self._deadline = deadline
@@ -125,7 +127,9 @@ class TorchHang:
         child = the_runner.start(fn, args, kwargs, method=method, role=f"{label} child", env=env)
         left = runner.wait(the_runner, [child], seconds, stop_on_error=False)
         if left <= 0 and the_runner.is_running(child):
-            report = runner.hang_report(the_runner, [child], f"{label} in {self._test_id}", seconds)
+            report = runner.hang_report(
+                the_runner, [child], f"{label} in {self._test_id}", seconds, self._native
+            )
             self._relay(the_runner, [child])
             runner.raise_hang(report)
         self._relay(the_runner, [child])
@@ -225,7 +229,7 @@ class TorchHang:
             note = ""
             if waiting:
                 report = runner.hang_report(
-                    the_runner, waiting, f"{label} in {self._test_id}", seconds
+                    the_runner, waiting, f"{label} in {self._test_id}", seconds, self._native
                 )
                 note = (
                     f"{first.role} failed first; {len(waiting)} other rank(s) were still running "
@@ -241,7 +245,7 @@ class TorchHang:
                 raise
         if left <= 0 and any(the_runner.is_running(c) for c in children):
             report = runner.hang_report(
-                the_runner, children, f"{label} in {self._test_id}", seconds
+                the_runner, children, f"{label} in {self._test_id}", seconds, self._native
             )
             self._relay(the_runner, children)
             runner.raise_hang(report)

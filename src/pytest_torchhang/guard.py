@@ -7,6 +7,7 @@ cannot move, and by the subprocess runner for its children.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import psutil
 
 from . import diagnose
 from ._hook import role_path
+from .native import native_stacks
 from .proctree import KillResult, ProcessId, cleanup_shm, descendants, helper_kind, kill_tree
 from .report import HangReport, ProcessReport
 
@@ -43,6 +45,7 @@ class GuardTarget:
     #: When set, the tree is these processes and their descendants (runner children), not the
     #: root's descendants; the root is then only the process the report is written for.
     roots: list[int] | None = None
+    native: bool = False  # add native stacks (pystack / py-spy) where installed and permitted
 
 
 def _cpu(proc: psutil.Process) -> float:
@@ -126,6 +129,7 @@ def _roles(dump_dir: str | None, pids: list[int]) -> dict[int, str]:
 def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangReport:
     """Snapshot the tree and take every process's stacks; kills nothing."""
     t0 = time.monotonic()
+    elapsed = t0 - target.started  # when the hang was declared, whatever the capture costs
     procs = tree(target)
     cpu_before = {p.pid: _cpu(p) for p in procs}
     idents: list[ProcessId] = []
@@ -158,7 +162,9 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     for report_ in reports:
         report_.role = _roles(target.dump_dir, [report_.pid]).get(report_.pid, report_.role)
     diagnose.label_roles(reports, target.root_pid, env, target.root_role)
-    elapsed = time.monotonic() - target.started
+    notes: list[str] = []
+    if target.native:
+        notes = _add_native(target, reports)
     report = HangReport(
         test_id=target.test_id,
         timeout_s=target.timeout_s,
@@ -172,9 +178,23 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         ),
         hints=diagnose.hints(reports),
         processes=reports,
+        notes=notes,
     )
     report.capture_s = time.monotonic() - t0
     return report
+
+
+def _add_native(target: GuardTarget, reports: list[ProcessReport]) -> list[str]:
+    # A process cannot ptrace itself: the pytest process's own stacks stay Python-only.
+    me = os.getpid()
+    candidates = [r for r in reports if r.pid != me and r.state not in ("zombie", "gone")]
+    candidates.sort(key=lambda r: (r.role.startswith(diagnose.HELPER_ROLES), r.pid))
+    result = native_stacks(
+        [r.pid for r in candidates], {r.pid for r in candidates if r.role.startswith("rank ")}
+    )
+    for report in reports:
+        report.native = result.stacks.get(report.pid, "")
+    return [result.note] if result.note else []
 
 
 def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:

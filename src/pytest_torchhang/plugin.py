@@ -266,7 +266,11 @@ def _arm(item: pytest.Item, timeout_s: float) -> ItemGuard:
         dump_dir=state.dump_dir,
         exclude=state.own_pids(),
         shm_baseline=proctree.shm_entries(),
+        native=state.settings.native,
     )
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        target.root_role = f"pytest (xdist worker {worker})"
     held = ItemGuard(target, deadline, threading.get_ident(), item=item)
     if threading.current_thread() is threading.main_thread():
         held.previous_handler = signal.signal(INTERRUPT_SIGNAL, _interrupt_handler(item))
@@ -398,13 +402,19 @@ def _mark_hang(item: pytest.Item, report: pytest.TestReport, hang: HangReport) -
     path, lineno, _ = item.location
     report.outcome = "failed"
     report.longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
-    report.user_properties.append((HANG_PROPERTY, "true"))
-    report.user_properties.append(("torch_hang_timeout", f"{hang.timeout_s:g}"))
-    report.user_properties.append(("torch_hang_processes", str(len(hang.processes))))
-    report.user_properties.append(("torch_hang_headline", hang.headline))
+    properties = [
+        (HANG_PROPERTY, "true"),
+        ("torch_hang_timeout", f"{hang.timeout_s:g}"),
+        ("torch_hang_processes", str(len(hang.processes))),
+        ("torch_hang_headline", hang.headline),
+    ]
     json_path = state.write_json(hang)
     if json_path:
-        report.user_properties.append(("torch_hang_report", json_path))
+        properties.append(("torch_hang_report", json_path))
+    report.user_properties.extend(properties)
+    if report.when != "teardown":
+        # JUnit XML writes the properties of the teardown report, a copy of the item's
+        item.user_properties.extend(properties)
     state.hangs.append((item.nodeid, hang.headline))
 
 
@@ -494,7 +504,9 @@ def torch_hang(request: pytest.FixtureRequest) -> fixtures.TorchHang:
     state = request.config.stash[_SESSION]
     node = request.node
     gpus = devices.leased_gpus(node) if hasattr(devices, "leased_gpus") else None
-    return fixtures.TorchHang(state.get_runner, node.nodeid, _deadline(node), gpus)
+    return fixtures.TorchHang(
+        state.get_runner, node.nodeid, _deadline(node), gpus, native=state.settings.native
+    )
 
 
 @pytest.hookimpl(tryfirst=True)

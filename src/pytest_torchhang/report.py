@@ -32,6 +32,7 @@ class ProcessReport:
     threads: list[ThreadStack] = field(default_factory=list)
     thread_roles: dict[str, str] = field(default_factory=dict)  # thread ident -> role
     stuck_at: str = ""
+    native: str = ""  # native stacks (--torch-hang-native), as the tool printed them
 
 
 @dataclass
@@ -128,5 +129,8 @@ def _process_text(proc: ProcessReport) -> list[str]:
                 out.append(f"            {frame.line}")
         if thread.truncated:
             out.append("        ...")
+    if proc.native:
+        out.append("    native stacks (most recent call last):")
+        out.extend(f"        {line}" for line in proc.native.splitlines())
     out.append("")
     return out

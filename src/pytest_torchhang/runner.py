@@ -336,7 +336,7 @@ def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error
 
 
 def hang_report(
-    runner: Runner, children: list[Child], label: str, timeout: float
+    runner: Runner, children: list[Child], label: str, timeout: float, native: bool = False
 ) -> guard.HangReport:
     """Capture and kill the trees of ``children`` that still run; the report says where they were."""
     live = [c for c in children if runner.is_running(c)]
@@ -351,6 +351,7 @@ def hang_report(
         root_in_process=False,
         kill_root=True,
         root_role="",
+        native=native,
     )
     report = guard.capture(target)
     guard.kill(target, report)

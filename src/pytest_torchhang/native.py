@@ -1,0 +1,78 @@
+"""Native (C/C++) stacks through pystack or py-spy, for ``--torch-hang-native``: optional, bounded."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+#: Whole budget for native stacks of one hang, and the most one process may take.
+BUDGET_S = 6.0
+PER_PROCESS_S = 3.0
+#: At most this many processes get native stacks (the busiest reports stay readable).
+MAX_PROCESSES = 8
+MAX_CHARS = 12_000
+
+
+@dataclass
+class NativeResult:
+    """Native stacks by pid, and a one-line note when they could not be had."""
+
+    stacks: dict[int, str]
+    note: str = ""
+
+
+def _command(tool: str, pid: int, all_threads: bool) -> list[str]:
+    if tool.endswith("pystack"):
+        return [tool, "remote", "--native-all" if all_threads else "--native", str(pid)]
+    return [tool, "dump", "--native", "--pid", str(pid)]
+
+
+def native_stacks(pids: list[int], all_threads: set[int]) -> NativeResult:
+    """Native stacks of ``pids`` (threads without Python frames too for ``all_threads``)."""
+    tool = shutil.which("pystack") or shutil.which("py-spy")
+    if tool is None:
+        return NativeResult(
+            {},
+            "--torch-hang-native: neither pystack nor py-spy is installed "
+            "(pip install 'pytest-torchhang[native]'); Python stacks only",
+        )
+    stacks: dict[int, str] = {}
+    failures: list[str] = []
+    deadline = time.monotonic() + BUDGET_S
+    for pid in pids[:MAX_PROCESSES]:
+        left = deadline - time.monotonic()
+        if left <= 0.2:
+            failures.append(f"{pid}: out of time")
+            continue
+        try:
+            done = subprocess.run(
+                _command(tool, pid, pid in all_threads),
+                capture_output=True,
+                text=True,
+                timeout=min(PER_PROCESS_S, left),
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            failures.append(f"{pid}: no answer in {min(PER_PROCESS_S, left):.1f}s")
+            continue
+        text = done.stdout.strip()
+        if done.returncode != 0 or not text:
+            reason = (done.stderr.strip().splitlines() or ["failed"])[-1]
+            failures.append(f"{pid}: {reason[:160]}")
+            continue
+        stacks[pid] = text if len(text) <= MAX_CHARS else text[-MAX_CHARS:]
+    note = ""
+    if failures:
+        hint = (
+            " (ptrace may be forbidden here: see /proc/sys/kernel/yama/ptrace_scope)"
+            if not stacks
+            else ""
+        )
+        note = (
+            f"--torch-hang-native ({tool.rsplit('/', 1)[-1]}): no native stack for "
+            + "; ".join(failures)
+            + hint
+        )
+    return NativeResult(stacks, note)

@@ -1,0 +1,222 @@
+"""Where a hang's report goes: terminal, JUnit XML, JSON files, pytest-xdist, GitHub annotations."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conftest import GuardedRunner, assert_hang
+
+HANG_AND_PASS = """
+import threading
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+LOCK = threading.Lock()
+
+
+class LockedDataset(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        with LOCK:
+            return torch.tensor([index])
+
+
+def test_hangs():
+    LOCK.acquire()
+    for _ in DataLoader(LockedDataset(), num_workers=2, multiprocessing_context="fork"):
+        pass
+
+
+def test_passes():
+    pass
+"""
+
+
+def test_junit_xml_json_files_and_the_terminal_carry_the_hang(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_hang=HANG_AND_PASS)
+    junit = guarded.pytester.path / "junit.xml"
+    reports = guarded.pytester.path / "reports"
+    session = guarded.run(f"--junitxml={junit}", f"--torch-hang-report-dir={reports}", timeout=2)
+    session.result.assert_outcomes(failed=1, passed=1)
+    out = session.result.stdout.str()
+    # terminal: the status word, the summary section, the headline in the short summary
+    session.result.stdout.fnmatch_lines(
+        [
+            "*torch-hang summary*",
+            "HANG after 2.* in test_hang.py::test_hangs: 3 processes, 2 stuck in DataLoader worker __getitem__",
+            "HANG test_hang.py::test_hangs - HANG after 2.*",
+        ]
+    )
+    assert "test_hang.py H." in out
+    # JUnit XML: the headline is the message, the report the text, and properties say what it was
+    case = next(c for c in ET.parse(junit).iter("testcase") if c.get("name") == "test_hangs")
+    failure = case.find("failure")
+    assert failure is not None
+    assert failure.get("message", "").startswith("HANG after 2.")
+    assert "[DataLoader worker 0/2 (dataset LockedDataset)]" in (failure.text or "")
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert props["torch_hang"] == "true"
+    assert props["torch_hang_timeout"] == "2"
+    assert props["torch_hang_processes"] == "3"
+    # one versioned JSON document per hang
+    (path,) = reports.glob("*.json")
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "pytest-torchhang/hang-report" and doc["schema_version"] == 1
+    assert doc["test_id"] == "test_hang.py::test_hangs" and doc["timeout_s"] == 2
+    roles = sorted(p["role"] for p in doc["processes"])
+    assert roles == [
+        "DataLoader worker 0/2 (dataset LockedDataset)",
+        "DataLoader worker 1/2 (dataset LockedDataset)",
+        "pytest",
+    ]
+    worker = next(p for p in doc["processes"] if p["role"].startswith("DataLoader worker 0"))
+    frames = [f["name"] for t in worker["threads"] for f in t["frames"]]
+    assert "__getitem__" in frames
+    assert doc["hints"][0]["text"].startswith("2 DataLoader worker(s) wait for a lock")
+    assert len(doc["killed"]) == 2 and doc["headline"].startswith("HANG after 2.")
+    session.assert_clean()
+
+
+def test_under_xdist_the_controller_prints_the_workers_full_report(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_hang=HANG_AND_PASS)
+    junit = guarded.pytester.path / "junit.xml"
+    reports = guarded.pytester.path / "reports"
+    session = guarded.run(
+        "-n", "2", f"--junitxml={junit}", f"--torch-hang-report-dir={reports}", timeout=2
+    )
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_hangs",
+        "*[[]DataLoader worker 1/2 (dataset LockedDataset)[]]*",
+        "*with LOCK:",
+        "cleanup: killed 2 process*",
+    )
+    failure = next(
+        c for c in ET.parse(junit).iter("testcase") if c.get("name") == "test_hangs"
+    ).find("failure")
+    assert failure is not None and failure.get("message", "").startswith("HANG after 2.")
+    assert len(list(reports.glob("*-gw*.json"))) == 1
+    session.assert_clean()
+
+
+def test_github_actions_gets_one_error_annotation_per_hang(
+    guarded: GuardedRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    guarded.pytester.makepyfile(test_hang=HANG_AND_PASS)
+    session = guarded.run(timeout=2)
+    session.result.stdout.fnmatch_lines(
+        [
+            "::error file=test_hang.py,line=18,title=HANG::HANG after 2.* in test_hang.py::test_hangs*"
+        ]
+    )
+    assert session.result.stdout.str().count("::error ") == 1
+
+
+PYTEST_TIMEOUT = """
+import subprocess
+import sys
+
+import pytest
+
+
+def test_uses_pytest_timeouts_option():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"]).wait()
+
+
+@pytest.mark.timeout(1)
+def test_uses_pytest_timeouts_marker():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"]).wait()
+
+
+def test_next_test_runs():
+    pass
+"""
+
+
+def test_pytest_timeout_deadlines_get_the_whole_tree_report(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_pt=PYTEST_TIMEOUT)
+    session = guarded.run("--timeout=2", timeout=None)
+    session.result.assert_outcomes(failed=2, passed=1)
+    assert_hang(session, "test_uses_pytest_timeouts_option", "HANG after 2.*", "*time.sleep(1000)*")
+    assert_hang(
+        session, "test_uses_pytest_timeouts_marker", "HANG after 1.*", "cleanup: killed 1 process*"
+    )
+    assert "Timeout (0:00" not in session.result.stdout.str()  # pytest-timeout's own dump
+    session.assert_clean()
+
+
+def test_with_both_timeouts_the_earlier_deadline_applies(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_pt=PYTEST_TIMEOUT)
+    session = guarded.run("--timeout=30", timeout=1.5)
+    session.result.assert_outcomes(failed=2, passed=1)
+    assert_hang(session, "test_uses_pytest_timeouts_option", "HANG after 1.*")
+    session.assert_clean()
+
+
+PDB = """
+import time
+
+
+def test_sits_in_the_debugger():
+    breakpoint()
+    time.sleep(2.5)
+"""
+
+
+def test_no_hang_is_declared_while_the_user_is_in_pdb(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_pdb=PDB)
+    guarded.monkeypatch.setenv("PYTHONBREAKPOINT", "")
+    session = guarded.run(timeout=1, stdin=b"continue\n")
+    session.result.assert_outcomes(passed=1)
+    assert "HANG" not in session.result.stdout.str()
+
+
+NATIVE = """
+import subprocess
+import sys
+
+
+def test_child_waits_on_a_lock():
+    code = "import threading; lock = threading.Lock(); lock.acquire(); lock.acquire()"
+    subprocess.Popen([sys.executable, "-c", code]).wait()
+"""
+
+
+def test_native_stacks_show_the_c_frames_where_the_child_waits(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_native=NATIVE)
+    session = guarded.run("--torch-hang-native", timeout=2)
+    report = assert_hang(
+        session, "test_child_waits_on_a_lock", "*native stacks (most recent call last):"
+    )
+    assert "futex" in report or "sem_wait" in report or "PyThread_acquire_lock" in report
+    session.assert_clean()
+
+
+def test_without_a_native_tool_the_report_says_so_in_one_line(
+    guarded: GuardedRunner,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    import os
+    import sys
+
+    bin_dir = tmp_path_factory.mktemp("bin")  # a PATH with python but no pystack or py-spy
+    os.symlink(sys.executable, bin_dir / "python")
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    guarded.pytester.makepyfile(test_native=NATIVE)
+    session = guarded.run("--torch-hang-native", timeout=2)
+    assert_hang(
+        session,
+        "test_child_waits_on_a_lock",
+        "note: --torch-hang-native: neither pystack nor py-spy is installed*; Python stacks only",
+        "*lock.acquire(); lock.acquire()*",
+    )
+    session.assert_clean()
