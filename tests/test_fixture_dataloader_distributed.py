@@ -147,7 +147,9 @@ def test_first_failing_rank_is_named_and_waiting_ranks_shown(torch_hang):
         torch_hang.distributed(rank_one_fails, world_size=2)
     notes = "\\n".join(info.value.__notes__)
     assert "rank 1/2 (gloo) (pid" in notes.splitlines()[0]
-    assert "rank 1/2 (gloo) failed first; 1 other rank(s) were still running" in notes
+    assert "rank 1/2 (gloo) failed first; the other ranks:" in notes
+    assert "rank 0/2 (gloo): still running" in notes
+    assert "stacks of the ranks still running (then killed):" in notes
     assert "[rank 0/2 (gloo)]" in notes and "all_reduce" in notes
 
 

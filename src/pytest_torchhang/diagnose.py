@@ -208,6 +208,16 @@ def label_roles(
             proc.role = f"rank {r}/{len(group)} (torch.multiprocessing.spawn)"
     for proc in processes:
         proc.stuck_at = stuck_at(proc)
+        proc.busy = is_busy(proc)
+
+
+def is_busy(proc: ProcessReport) -> bool:
+    """CPU time grew while the stacks were taken, or the process runs and mostly has been running.
+
+    The second test matters on a loaded machine, where a spinning process may get little CPU in
+    the short capture window.
+    """
+    return proc.cpu_delta_s >= 0.02 or (proc.state == "running" and proc.cpu_s > 0.5 * proc.age_s)
 
 
 _USER_FRAME_WINDOW = 6
@@ -375,7 +385,7 @@ def _hint_openmp_after_fork(procs: list[ProcessReport]) -> list[Hint]:
             or not main.frames
             or proc.cmdline != parent.cmdline
             or proc.role.startswith("DataLoader worker")
-            or proc.cpu_delta_s >= 0.05
+            or proc.busy
             or proc.num_threads != 1
             or parent.num_threads < 2
         ):
@@ -451,7 +461,7 @@ def _hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
                 or (not _is_library(f) and _source_mentions_lock(f))
             ),
         )
-        if frame is not None and proc.cpu_delta_s < 0.05:
+        if frame is not None and not proc.busy:
             forked = forked or proc.cmdline in root_cmdlines  # a fork of the test process
             hits.append(
                 f"{proc.role} (pid {proc.pid}) at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
@@ -581,7 +591,7 @@ def _hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
 
 
 def _hint_busy(procs: list[ProcessReport]) -> list[Hint]:
-    busy = [p for p in procs if p.cpu_delta_s >= 0.05]
+    busy = [p for p in procs if p.busy]
     if not busy:
         return []
     return [

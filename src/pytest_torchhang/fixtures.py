@@ -225,23 +225,29 @@ class TorchHang:
         failed = [c for c in children if the_runner.failed(c)]
         if failed:
             first = min(failed, key=lambda c: c.ended)
-            waiting = [c for c in children if c not in failed and the_runner.is_running(c)]
-            note = ""
+            waiting = [
+                c
+                for c in children
+                if c not in failed and the_runner.peek(c) is None and the_runner.is_running(c)
+            ]
+            fates = "\n".join(f"  {_fate(the_runner, c)}" for c in children if c is not first)
+            note = f"{first.role} failed first; the other ranks:\n{fates}"
+            if any(c.outcome is not None and c.outcome.ok for c in children):
+                note += (
+                    "\na rank that returns (or dies) while its peers are still in a collective "
+                    "makes them fail (gloo: connection reset) or wait forever (nccl)"
+                )
             if waiting:
                 report = runner.hang_report(
                     the_runner, waiting, f"{label} in {self._test_id}", seconds, self._native
                 )
-                note = (
-                    f"{first.role} failed first; {len(waiting)} other rank(s) were still running "
-                    "(stacks below, then killed):\n" + report.to_text()
-                )
+                note += "\nstacks of the ranks still running (then killed):\n" + report.to_text()
             runner.stop(the_runner, children)
             self._relay(the_runner, children)
             try:
                 runner.raise_outcome(the_runner, first)
             except BaseException as exc:
-                if note:
-                    exc.add_note(note)
+                exc.add_note(note)
                 raise
         if left <= 0 and any(the_runner.is_running(c) for c in children):
             report = runner.hang_report(
@@ -251,6 +257,17 @@ class TorchHang:
             runner.raise_hang(report)
         self._relay(the_runner, children)
         return [runner.raise_outcome(the_runner, c) for c in children]
+
+
+def _fate(the_runner: runner.Runner, child: runner.Child) -> str:
+    outcome = the_runner.peek(child)
+    if outcome is not None and outcome.ok:
+        return f"{child.role}: returned {outcome.value!r:.60}"
+    if outcome is not None:
+        return f"{child.role}: raised {outcome.exc_type}: {outcome.exc_message:.120}"
+    if child.exitcode is not None:
+        return f"{child.role}: died (exit status {child.exitcode}) without a result"
+    return f"{child.role}: still running"
 
 
 def run_isolated(

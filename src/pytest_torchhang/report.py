@@ -33,6 +33,7 @@ class ProcessReport:
     thread_roles: dict[str, str] = field(default_factory=dict)  # thread ident -> role
     stuck_at: str = ""
     native: str = ""  # native stacks (--torch-hang-native), as the tool printed them
+    busy: bool = False  # computing or spinning rather than waiting (set by diagnosis)
 
 
 @dataclass
@@ -101,9 +102,7 @@ class HangReport:
 
 def _process_text(proc: ProcessReport) -> list[str]:
     mib = proc.rss_bytes / (1 << 20)
-    busy = (
-        f", +{proc.cpu_delta_s:.2f}s CPU during capture (busy)" if proc.cpu_delta_s >= 0.05 else ""
-    )
+    busy = f", +{proc.cpu_delta_s:.2f}s CPU during capture (busy)" if proc.busy else ""
     out = [
         f"--- process {proc.pid} [{proc.role}] parent {proc.ppid}, {proc.state}, "
         f"cpu {proc.cpu_s:.2f}s{busy}, rss {mib:.0f} MiB, {proc.num_threads} threads, "

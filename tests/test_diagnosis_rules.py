@@ -1,0 +1,89 @@
+"""Hints driven by real hangs of their kind: OpenMP after fork, busy processes, a rank gone early."""
+
+from __future__ import annotations
+
+from conftest import GuardedRunner, assert_hang
+
+OPENMP_AND_BUSY = """
+import multiprocessing as mp
+
+import torch
+
+
+def child_op():
+    x = torch.randn(512, 512)
+    y = x @ x
+    return y.sum()
+
+
+def test_op_in_a_fork_after_the_parent_ran_ops():
+    a = torch.randn(1024, 1024)
+    (a @ a).sum()  # starts the parent's OpenMP thread pool
+    child = mp.get_context("fork").Process(target=child_op)
+    child.start()
+    child.join()
+
+
+def spin():
+    while True:
+        pass
+
+
+def test_child_spins():
+    child = mp.get_context("fork").Process(target=spin)
+    child.start()
+    child.join()
+"""
+
+
+def test_openmp_after_fork_and_busy_children_get_their_hints(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_rules=OPENMP_AND_BUSY)
+    session = guarded.run(timeout=3)
+    session.result.assert_outcomes(failed=2)
+    assert_hang(
+        session,
+        "test_op_in_a_fork_after_the_parent_ran_ops",
+        "hint: 1 forked process(es) are stuck in a C call*OpenMP after fork*torch.set_num_threads(1)*",
+        "*based on: multiprocessing.Process(target=child_op) (pid *), forked from pid *: y = x @ x",
+    )
+    busy = assert_hang(
+        session,
+        "test_child_spins",
+        "hint: 1 process(es) used CPU during the capture: they are computing or spinning, not waiting*",
+        "*based on: multiprocessing.Process(target=spin) (pid *) +*s CPU at spin",
+    )
+    assert "OpenMP" not in busy
+    session.assert_clean()
+
+
+RANK_LEAVES = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def rank_one_leaves_early(rank, world_size):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def test_a_rank_returning_early_is_named_when_its_peer_fails(torch_hang):
+    with pytest.raises(RuntimeError) as info:
+        torch_hang.distributed(rank_one_leaves_early, world_size=2, timeout=20)
+    notes = "\\n".join(info.value.__notes__)
+    assert "rank 0/2 (gloo) failed first; the other ranks:" in notes
+    assert "rank 1/2 (gloo): returned 1" in notes
+    assert "a rank that returns (or dies) while its peers are still in a collective" in notes
+"""
+
+
+def test_with_gloo_a_rank_that_leaves_early_is_named_in_its_peers_error(
+    guarded: GuardedRunner,
+) -> None:
+    # gloo turns "a rank left while its peers wait" into a connection error on the peers, not
+    # a hang (the hang form needs nccl): the error says which rank left and how
+    guarded.pytester.makepyfile(test_rank=RANK_LEAVES)
+    session = guarded.run(timeout=30)
+    session.result.assert_outcomes(passed=1)
+    session.assert_clean()
