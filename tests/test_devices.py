@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ BENCH = REPO / "bench" / "gpu_check.py"
 RECORDING_CONFTEST = """
 import json, os, time
 import pytest
-from pytest_torchhang.devices import leased_gpus
+from pytest_torchhang.devices import leased_devices, leased_gpus
 
 @pytest.fixture
 def hold(request):
@@ -37,7 +36,7 @@ def hold(request):
         record = dict(
             test=request.node.name, worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
             pid=os.getpid(), cvd=seen, leased=leased_gpus(request.node),
-            start=start, end=time.monotonic(),
+            devices=leased_devices(request.node), start=start, end=time.monotonic(),
         )
         name = f"{{os.getpid()}}-{{time.monotonic_ns()}}.json"
         with open(os.path.join({records!r}, name), "w") as out:
@@ -47,11 +46,10 @@ def hold(request):
 
 
 @pytest.fixture(autouse=True)
-def clean_device_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def clean_device_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inner sessions start from no fake GPUs, no lease or hang timeout from the outer shell."""
     for name in (FAKE, devices.LEASE_TIMEOUT_ENV, "PYTEST_TORCH_HANG_TIMEOUT", "PYTEST_ADDOPTS"):
         monkeypatch.delenv(name, raising=False)
-    yield
 
 
 def recording_session(pytester: pytest.Pytester, tests: str) -> Path:
@@ -311,8 +309,9 @@ def test_under_xdist_tests_running_at_the_same_time_never_share_a_gpu(
         wanted = {"test_one": 1, "test_two": 2, "test_all": 4}[record["test"].split("[")[0]]
         assert len(record["cvd"].split(",")) == wanted, record
         assert record["leased"] == [int(i) for i in record["cvd"].split(",")], record
+        assert record["devices"] == record["cvd"].split(","), record
     (unmarked,) = (r for r in seen if r["test"] == "test_unmarked")
-    assert unmarked["leased"] is None and unmarked["cvd"] is None
+    assert unmarked["leased"] is None and unmarked["devices"] is None and unmarked["cvd"] is None
     overlaps = assert_no_device_shared_while_overlapping(gpu_records)
     assert overlaps > 0, "the two workers never ran gpu tests at the same time"
 
@@ -321,7 +320,26 @@ def test_under_xdist_tests_running_at_the_same_time_never_share_a_gpu(
         for case in ET.parse(junit).getroot().iter("testcase")
     }
     assert properties["test_all"]["torch_hang_gpus"] == "0,1,2,3"
-    assert float(properties["test_all"]["torch_hang_gpu_wait_s"]) >= 0
+    assert float(str(properties["test_all"]["torch_hang_gpu_wait_s"])) >= 0
+
+
+def test_waiting_for_a_lease_does_not_count_against_the_hang_timeout(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAKE, "2")
+    pytester.makepyfile(
+        """
+        import time, pytest
+
+        @pytest.mark.parametrize("i", range(2))
+        @pytest.mark.gpu(2)
+        def test_all_gpus(i):
+            time.sleep(2.0)  # the second one waits 2 s, then runs 2 s: 4 s > the 3 s timeout
+        """
+    )
+    result = pytester.runpytest_subprocess("-n", "2", "--torch-hang-timeout=3", "-rA")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["waited *s for GPUs 0,1 held by other tests"])
 
 
 def test_gpus_held_by_a_crashed_worker_are_freed_for_its_replacement_and_the_rest(
@@ -391,6 +409,44 @@ def test_a_test_that_waits_too_long_for_gpus_errors_naming_who_holds_them(
             "(torch_hang_gpu_lease_timeout / *); GPU 0 held by the holder test",
         ]
     )
+
+
+def test_leased_gpus_are_translated_through_the_sessions_cuda_visible_devices(
+    pytester: pytest.Pytester,
+) -> None:
+    # As detection would report a machine started with CUDA_VISIBLE_DEVICES=GPU-a,GPU-b,7,GPU-d.
+    pytester.makeconftest(
+        """
+        from pytest_torchhang import devices
+
+        def pytest_sessionstart(session):
+            plugin = session.config.pluginmanager.get_plugin("torchhang-devices")
+            plugin._inventory = devices.GpuInventory(("GPU-a", "GPU-b", "7", "GPU-d"), "test")
+        """
+    )
+    pytester.makepyfile(
+        """
+        import os, pytest
+        from pytest_torchhang.devices import leased_devices, leased_gpus
+
+        HELD = []
+
+        def test_a_holds_gpu_1(request):
+            plugin = request.config.pluginmanager.get_plugin("torchhang-devices")
+            HELD.append(plugin.leaser.acquire(1, 4, 0, "test_a", [1]))
+
+        @pytest.mark.gpu(2)
+        def test_b_two(request):
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-a,7"
+            assert leased_gpus(request.node) == [0, 2]
+            assert leased_devices(request.node) == ["GPU-a", "7"]
+
+        def test_c_unmarked(request):
+            assert leased_gpus(request.node) is None and leased_devices(request.node) is None
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=3)
 
 
 def test_once_a_gpu_test_initialised_cuda_in_process_later_gpu_tests_keep_its_gpus(
