@@ -74,10 +74,10 @@ def test_an_invalid_marker_is_a_usage_error_naming_the_test(
 @pytest.mark.parametrize(
     ("ini", "env", "cli", "expected"),
     [
-        ("7", None, None, "torch-hang: timeout 7s (from ini)"),
-        ("7", "8", None, "torch-hang: timeout 8s (from env)"),
-        ("7", "8", "9", "torch-hang: timeout 9s (from command line)"),
-        (None, "8", "9", "torch-hang: timeout 9s (from command line)"),
+        ("7", None, None, "timeout 7s (from ini)"),
+        ("7", "8", None, "timeout 8s (from env)"),
+        ("7", "8", "9", "timeout 9s (from command line)"),
+        (None, "8", "9", "timeout 9s (from command line)"),
     ],
 )
 def test_ini_env_and_command_line_apply_in_that_order(
@@ -190,3 +190,15 @@ def test_a_passing_suite_under_a_timeout_just_passes(guarded: GuardedRunner) -> 
     session.result.assert_outcomes(passed=2)
     assert "HANG" not in session.result.stdout.str()
     session.assert_clean()
+
+
+def test_under_xdist_an_invalid_marker_fails_collection_with_its_message(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        test_bad="import pytest\n\n@pytest.mark.torch_hang(timeout=-1)\ndef test_one():\n    pass\n"
+    )
+    result = pytester.runpytest_subprocess("-n", "2")
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stdout.fnmatch_lines(["*torch_hang on test_bad.py::test_one: timeout must be a finite*"])
+    assert result.ret != 0

@@ -57,13 +57,36 @@ def _write_outcome(path: str, outcome: Outcome) -> None:
     os.replace(tmp, path)
 
 
+def _has_children() -> bool:
+    """Cheaply, without listing every process: does any thread of this process have a child?"""
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as children:
+                if children.read().strip():
+                    return True
+        return False
+    except OSError:
+        return True  # cannot tell: look the slow way
+
+
+def _load_main(path: str) -> None:
+    """Make the parent's ``__main__`` functions unpicklable here, as multiprocessing's spawn does."""
+    import runpy
+    import types
+
+    namespace = runpy.run_path(path, run_name="__mp_main__")
+    module = types.ModuleType("__mp_main__")
+    module.__dict__.update(namespace)
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
 def run_request(request_path: str) -> int:
     """Run one request in this (fresh or forked) process; returns the exit code to use."""
     die_with_parent()
     with open(request_path, "rb") as raw:
         header = pickle.load(raw)  # (result_path, crash_path, dump_dir, role, env, sys_path, ...)
         payload = raw.read()
-    result_path, crash_path, dump_dir, role, env, sys_path, cwd, stdout_path = header
+    result_path, crash_path, dump_dir, role, env, sys_path, cwd, stdout_path, main_path = header
     if stdout_path:
         fd = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(fd, 1)
@@ -84,6 +107,8 @@ def run_request(request_path: str) -> int:
     _hook.set_role(role)
     become_subreaper()  # so what the job starts stays in this child's tree until we clean it
     try:
+        if main_path:
+            _load_main(main_path)
         fn, args, kwargs = pickle.loads(payload)
         value = fn(*args, **kwargs)
         outcome = Outcome(ok=True, value=value)
@@ -101,7 +126,8 @@ def run_request(request_path: str) -> int:
         # A failed rank stays a moment, its connections open, so the parent can take the stacks
         # of the ranks still waiting for it in a collective before they notice it is gone.
         time.sleep(min(float(linger), 30.0))
-    kill_tree(os.getpid(), budget_s=3.0)  # whatever the job left running dies with it
+    if _has_children():
+        kill_tree(os.getpid(), budget_s=3.0)  # whatever the job left running dies with it
     sys.stdout.flush()
     sys.stderr.flush()
     return 0

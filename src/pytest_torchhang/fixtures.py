@@ -48,7 +48,7 @@ class TorchHang:
         get_runner: Callable[[], runner.Runner],
         test_id: str,
         deadline: float | None,
-        gpus: list[int] | None = None,
+        gpus: list[str] | None = None,
         native: bool = False,
     ) -> None:
         self._native = native
@@ -209,7 +209,7 @@ class TorchHang:
                 LINGER_ENV: str(PEER_GRACE_S * 10),
             }
             if backend == "nccl":
-                env["CUDA_VISIBLE_DEVICES"] = str(gpus[rank])
+                env["CUDA_VISIBLE_DEVICES"] = gpus[rank]  # this rank's leased GPU, alone
             children.append(
                 the_runner.start(
                     jobs.rank_main,

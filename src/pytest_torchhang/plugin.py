@@ -223,11 +223,28 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.close(state.stderr_fd)
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
-    state = config.stash.get(_SESSION, None)
-    if state is None or state.settings.timeout <= 0:
-        return None
-    return f"torch-hang: timeout {state.settings.timeout:g}s (from {state.settings.source})"
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    # On a pytest-xdist worker a usage error raised during collection becomes an INTERNALERROR
+    # that loses its message: there, a bad torch_hang marker fails its module's collection.
+    report = yield
+    if not report.passed or not hasattr(collector.config, "workerinput"):
+        return report
+    state = collector.config.stash[_SESSION]
+    problems = []
+    for node in report.result:
+        if isinstance(node, pytest.Item):
+            try:
+                settings.item_settings(node, state.settings)
+            except pytest.UsageError as exc:
+                problems.append(str(exc))
+    if problems:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(problems)
+        report.result = []
+    return report
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -503,7 +520,7 @@ def torch_hang(request: pytest.FixtureRequest) -> fixtures.TorchHang:
     """
     state = request.config.stash[_SESSION]
     node = request.node
-    gpus = devices.leased_gpus(node) if hasattr(devices, "leased_gpus") else None
+    gpus = devices.leased_devices(node)
     return fixtures.TorchHang(
         state.get_runner, node.nodeid, _deadline(node), gpus, native=state.settings.native
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import signal
@@ -27,10 +28,14 @@ _TORCH_SHM_PID = re.compile(r"^torch_(\d+)_")
 TRACKER_GRACE_S = {"resource_tracker": 2.0, "torch_shm_manager": 4.0}
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _prctl(option: int, arg: int) -> bool:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(option, arg, 0, 0, 0)) == 0
+        return int(_libc().prctl(option, arg, 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
 

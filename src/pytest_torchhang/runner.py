@@ -115,6 +115,11 @@ class Zygote:
         if self.alive():
             self._pump(0)
 
+    def wait_event(self, timeout: float) -> None:
+        """Block until the zygote says something (an exit), at most ``timeout`` seconds."""
+        if self.alive():
+            self._pump(timeout)
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
@@ -163,6 +168,9 @@ class Runner:
         os.mkdir(self.dump_dir)
         self._zygote: Zygote | None = None
 
+    def live_zygote(self) -> Zygote | None:
+        return self._zygote if self._zygote is not None and self._zygote.alive() else None
+
     def helper_pids(self) -> set[int]:
         """Processes of the runner itself, never part of a test's tree."""
         return {self._zygote.pid} if self._zygote is not None and self._zygote.alive() else set()
@@ -201,7 +209,15 @@ class Runner:
         payload = pickle.dumps((fn, args, kwargs))
         n = next(self._ids)
         base = os.path.join(self.workdir, f"{os.getpid()}-{n}")
-        child_env: dict[str, str | None] = {DUMP_DIR_ENV: self.dump_dir, **(env or {})}
+        # The zygote's environment was fixed when it started: what a marker set for this test
+        # (cpu hides CUDA, gpu leases devices) must travel with each request.
+        child_env: dict[str, str | None] = {
+            DUMP_DIR_ENV: self.dump_dir,
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            **(env or {}),
+        }
+        main = sys.modules.get("__main__")
+        main_path = getattr(main, "__file__", None) if b"__main__" in payload else None
         header = (
             f"{base}.result",
             f"{base}.crash",
@@ -211,6 +227,7 @@ class Runner:
             list(sys.path),
             os.getcwd(),
             f"{base}.out",
+            main_path,
         )
         request = f"{base}.request"
         with open(request, "wb") as out:
@@ -232,10 +249,16 @@ class Runner:
             pid = popen.pid
         else:
             import multiprocessing
+            import multiprocessing.forkserver
 
             from .child import run_request
 
-            mp_process = multiprocessing.get_context("forkserver").Process(
+            context = multiprocessing.get_context("forkserver")
+            server = multiprocessing.forkserver._forkserver
+            if getattr(server, "_forkserver_pid", 1) is None:
+                # not started yet: let it import torch once instead of in every child
+                context.set_forkserver_preload(["torch", "pytest_torchhang.child"])
+            mp_process = context.Process(
                 target=run_request, args=(request,), name=role, daemon=False
             )
             mp_process.start()
@@ -331,8 +354,12 @@ def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error
         left = deadline - time.monotonic()
         if left <= 0:
             return left
-        time.sleep(min(delay, left))
-        delay = min(delay * 2, 0.02)
+        zygote = runner.live_zygote()
+        if zygote is not None and all(c.method == "zygote" for c in running):
+            zygote.wait_event(min(0.05, left))  # returns as soon as the zygote reports an exit
+        else:
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.02)
 
 
 def hang_report(

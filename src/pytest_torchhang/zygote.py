@@ -21,6 +21,8 @@ def _fork(request_path: str) -> int:
     if pid == 0:
         code = 1
         try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.close(0)
             os.open(os.devnull, os.O_RDONLY)  # fd 0 again
             from .child import run_request
@@ -47,9 +49,16 @@ def main() -> int:
     events.flush()
     children: set[int] = set()
     pending = b""
+    # SIGCHLD wakes the select below through this pipe: a child is reaped (and reported) at once.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wake_w)
     while True:
-        ready, _, _ = select.select([0], [], [], 0.01 if children else None)
-        if ready:
+        ready, _, _ = select.select([0, wake_r], [], [], 1.0 if children else None)
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        if 0 in ready:
             data = os.read(0, 65536)
             if not data:
                 break
