@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import GuardedRunner
 
 LOADER = """
@@ -174,4 +176,41 @@ def test_distributed_results_failures_and_hangs(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_dist=DISTRIBUTED)
     session = guarded.run(timeout=60)
     session.result.assert_outcomes(passed=5)
+    session.assert_clean()
+
+
+GPU_PLACEMENT = """
+import os
+
+import pytest
+
+
+def visible(rank, world_size):
+    return os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+@pytest.mark.gpu(2)
+def test_one_rank_per_leased_gpu(torch_hang):
+    leased = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    assert len(leased) == 2
+    assert torch_hang.distributed(visible, world_size=2) == leased
+
+
+def cuda_visible():
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.mark.cpu
+def test_cpu_marker_hides_cuda_from_fixture_children(torch_hang):
+    assert torch_hang.run(cuda_visible) == ""
+"""
+
+
+def test_distributed_places_one_rank_per_leased_gpu(
+    guarded: GuardedRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTEST_TORCH_HANG_FAKE_GPUS", "4")
+    guarded.pytester.makepyfile(test_gpus=GPU_PLACEMENT)
+    session = guarded.run(timeout=60)
+    session.result.assert_outcomes(passed=2)
     session.assert_clean()

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import jobs, runner
+from . import devices, jobs, runner
 from .child import LINGER_ENV
 from .jobs import LoaderStats
 
@@ -183,7 +183,10 @@ class TorchHang:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         gpus = self._gpus or []
         if backend is None:
-            backend = "nccl" if len(gpus) >= world_size else "gloo"
+            # fake GPUs (a testing aid) have no CUDA behind them: ranks still get one leased
+            # device each, but talk gloo
+            fake = devices.fake_gpu_count(os.environ) is not None
+            backend = "nccl" if len(gpus) >= world_size and not fake else "gloo"
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo', 'nccl' or None (automatic), got {backend!r}")
         if backend == "nccl" and len(gpus) < world_size:
@@ -208,7 +211,7 @@ class TorchHang:
                 "TORCH_HANG_BACKEND": backend,
                 LINGER_ENV: str(PEER_GRACE_S * 10),
             }
-            if backend == "nccl":
+            if len(gpus) >= world_size:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[rank]  # this rank's leased GPU, alone
             children.append(
                 the_runner.start(
