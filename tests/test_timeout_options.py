@@ -202,3 +202,12 @@ def test_under_xdist_an_invalid_marker_fails_collection_with_its_message(
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
     result.stdout.fnmatch_lines(["*torch_hang on test_bad.py::test_one: timeout must be a finite*"])
     assert result.ret != 0
+
+
+def test_it_works_with_pytest_timeout_disabled(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(
+        test_one="import time\n\ndef test_hangs():\n    time.sleep(30)\n\ndef test_passes():\n    pass\n"
+    )
+    session = guarded.run("-p", "no:timeout", timeout=1)
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(session, "test_hangs", "*time.sleep(30)")

@@ -199,6 +199,7 @@ def _add_native(target: GuardTarget, reports: list[ProcessReport]) -> list[str]:
 
 def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
     """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
+    started = time.monotonic()
     if target.roots is None:
         result = kill_tree(target.root_pid, exclude=target.exclude, include_root=target.kill_root)
     else:
@@ -217,6 +218,7 @@ def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
         report.spared = [p.pid for p in result.spared]
         report.survivors = [p.pid for p in result.survivors]
         report.shm_removed = result.shm_removed
+        report.kill_s = time.monotonic() - started
     return result
 
 

@@ -332,7 +332,7 @@ def pytest_runtest_protocol(
             del item.stash[_ITEM_GUARD]
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest-timeout may be disabled
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool:
     """Take over pytest-timeout's ``--timeout`` / ``@pytest.mark.timeout`` deadline.
 
@@ -344,7 +344,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool:
     return True
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool:
     # Our protocol wrapper lifts the deadline after teardown; here only pdb's post-mortem
     # (pytest-timeout calls this from pytest_exception_interact) matters, handled below.

@@ -60,6 +60,7 @@ class HangReport:
     survivors: list[int] = field(default_factory=list)
     shm_removed: list[str] = field(default_factory=list)
     capture_s: float = 0.0
+    kill_s: float = 0.0  # from the start of the kill to a dead, reaped tree
     created: float = field(default_factory=time.time)
     notes: list[str] = field(default_factory=list)
 
@@ -90,7 +91,11 @@ class HangReport:
             parts.append(f"COULD NOT KILL {self.survivors}")
         if self.shm_removed:
             parts.append(f"removed {len(self.shm_removed)} /dev/shm segment(s)")
-        return "cleanup: " + "; ".join(parts) + f"; capture took {self.capture_s:.2f}s"
+        return (
+            "cleanup: "
+            + "; ".join(parts)
+            + f"; capture took {self.capture_s:.2f}s, kill {self.kill_s:.2f}s"
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The report as the versioned JSON document (see README, "JSON report")."""
