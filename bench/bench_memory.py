@@ -54,7 +54,7 @@ def main() -> None:
         (root / "test_mem.py").write_text(TESTS)
         out = root / "out"
         print(f"{'pytest process at session end':40} {'RSS MiB':>8} {'USS MiB':>8}")
-        base_rss = base_uss = 0
+        base_rss = 0
         for name, args in CONFIGS.items():
             env = {**os.environ, "BENCH_OUT": str(out)}
             subprocess.run(
@@ -76,7 +76,7 @@ def main() -> None:
             )
             rss, uss = map(int, out.read_text().split())
             if name == "no plugin":
-                base_rss, base_uss = rss, uss
+                base_rss = rss
             extra = (
                 "" if name == "no plugin" else f"  (+{(rss - base_rss) / (1 << 20):.1f} MiB RSS)"
             )
