@@ -144,3 +144,53 @@ def test_a_worker_reading_a_silent_pipe_is_caught(guarded: GuardedRunner) -> Non
         "hint: 1 process(es) block reading a pipe*",
     )
     session.assert_clean()
+
+
+FILE_SYSTEM_SHARING = """
+import threading
+
+import torch
+import torch.multiprocessing as tmp
+from torch.utils.data import DataLoader, Dataset
+
+tmp.set_sharing_strategy("file_system")
+_LOCK = threading.Lock()
+
+
+class FirstBatchOnly(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        if index >= 8:
+            with _LOCK:
+                with _LOCK:
+                    pass
+        return torch.ones(3, 32, 32)
+
+
+def test_hangs_after_the_first_batch():
+    batches = []
+    for batch in DataLoader(FirstBatchOnly(), batch_size=8, num_workers=1):
+        batches.append(batch)  # the test holds a batch in shared memory
+
+
+def test_next_test_runs():
+    pass
+"""
+
+
+def test_file_system_sharing_leaves_no_segment_behind(guarded: GuardedRunner) -> None:
+    # The test still maps a batch served by the worker's torch_shm_manager: the manager is
+    # spared (killing it would make freeing the batch abort pytest) and cleans up at exit.
+    guarded.pytester.makepyfile(test_fs=FILE_SYSTEM_SHARING)
+    session = guarded.run(timeout=3)
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_hangs_after_the_first_batch",
+        "*[[]torch_shm_manager[]]*",
+        "hint: 1 DataLoader worker(s) wait for a lock that nothing in the worker will release*",
+        "cleanup: killed 1 process(es)*left * running*",
+    )
+    session.assert_clean()

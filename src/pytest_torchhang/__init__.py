@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["ChildCrashed", "HangError", "HangReport", "RemoteTraceback"]
+__all__ = ["ChildCrashed", "HangError", "HangReport", "LoaderStats", "RemoteTraceback", "TorchHang"]
 
 if TYPE_CHECKING:
     from .exceptions import ChildCrashed, HangError, RemoteTraceback
+    from .fixtures import TorchHang
+    from .jobs import LoaderStats
     from .report import HangReport
 
 
@@ -20,6 +22,14 @@ def __getattr__(name: str) -> Any:
         from . import exceptions
 
         return getattr(exceptions, name)
+    if name == "TorchHang":
+        from .fixtures import TorchHang
+
+        return TorchHang
+    if name == "LoaderStats":
+        from .jobs import LoaderStats
+
+        return LoaderStats
     if name == "HangReport":
         from .report import HangReport
 

@@ -229,6 +229,10 @@ def stuck_at(proc: ProcessReport) -> str:
     main = _main_thread(proc)
     if main is None or not main.frames:
         return ""
+    if any(_in(f, "multiprocessing/util.py", "_exit_function") for f in main.frames) and any(
+        _in(f, "multiprocessing/queues.py", "_finalize_join", "join_thread") for f in main.frames
+    ):
+        return "exit (flushing a multiprocessing Queue)"
     # The innermost frame of user code, when it is close to the top: deeper than that (a fork child
     # still shows its parent's frames far below) the library call it is in says more.
     user = next((f for f in main.frames[:_USER_FRAME_WINDOW] if not _is_library(f)), None)
@@ -448,12 +452,45 @@ def _source_mentions_lock(frame: Frame) -> bool:
     return "acquire" in line or ("with" in line and "lock" in line)
 
 
-def _hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
-    hits, forked = [], False
-    root_cmdlines = {p.cmdline for p in procs if p.role == "pytest"}
-    for proc in procs:
-        if not proc.role.startswith("DataLoader worker"):
+_LOCK_EXPR = re.compile(
+    r"^\s*(?:with\s+([\w.\[\]()]+?)\s*(?:as\s+\w+\s*)?:|([\w.\[\]()]+?)\.acquire\()"
+)
+
+
+def _lock_expression(line: str) -> str | None:
+    match = _LOCK_EXPR.match(line)
+    return (match.group(1) or match.group(2)) if match else None
+
+
+def _taken_twice(frame: Frame) -> bool:
+    """Does the function already hold, on an enclosing line, the lock this line waits for?"""
+    lines = linecache.getlines(frame.filename)[: frame.lineno]
+    if not lines:
+        return False
+    expr = _lock_expression(lines[-1])
+    if expr is None:
+        return False
+    indent = len(lines[-1]) - len(lines[-1].lstrip())
+    for line in reversed(lines[:-1]):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
             continue
+        depth = len(line) - len(line.lstrip())
+        if stripped.startswith(("def ", "async def ")) and depth < indent:
+            return False  # reached the function's own line
+        if depth < indent and _lock_expression(line) == expr:
+            return True
+    return False
+
+
+def _hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
+    by_pid = {p.pid: p for p in procs}
+    at_fork, twice = [], []
+    for proc in procs:
+        if not proc.role.startswith("DataLoader worker") or proc.busy:
+            continue
+        if _has(proc, "multiprocessing/managers.py", "_callmethod"):
+            continue  # a Manager lock: the Manager rule explains it
         frame = _innermost(
             proc,
             lambda f: (
@@ -461,27 +498,38 @@ def _hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
                 or (not _is_library(f) and _source_mentions_lock(f))
             ),
         )
-        if frame is not None and not proc.busy:
-            forked = forked or proc.cmdline in root_cmdlines  # a fork of the test process
-            hits.append(
-                f"{proc.role} (pid {proc.pid}) at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+        if frame is None:
+            continue
+        where = f"{proc.role} (pid {proc.pid}) at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+        parent = by_pid.get(proc.ppid)
+        forked = parent is not None and parent.cmdline == proc.cmdline  # a fork of its parent
+        if not _is_library(frame) and _taken_twice(frame):
+            twice.append(where)
+        elif forked:
+            at_fork.append(where)
+        else:
+            twice.append(where)
+    hints = []
+    if at_fork:
+        hints.append(
+            Hint(
+                f"{len(at_fork)} DataLoader worker(s) wait for a lock. A lock held by another thread "
+                "when the workers were forked (a logging handler, a user lock, a library's global "
+                "lock) stays locked forever in the child. Use multiprocessing_context='spawn' or "
+                "'forkserver', or create the lock inside the worker (worker_init_fn).",
+                at_fork,
             )
-    if not hits:
-        return []
-    if forked:
-        text = (
-            f"{len(hits)} DataLoader worker(s) wait for a lock. A lock held by another thread when "
-            "the workers were forked (a logging handler, a user lock, a library's global lock) "
-            "stays locked forever in the child. Use multiprocessing_context='spawn' or "
-            "'forkserver', or create the lock inside the worker (worker_init_fn)."
         )
-    else:
-        text = (
-            f"{len(hits)} DataLoader worker(s) wait for a lock that nothing in the worker will "
-            "release: a plain Lock acquired twice by one thread (use RLock), or a lock whose "
-            "holder is itself blocked."
+    if twice:
+        hints.append(
+            Hint(
+                f"{len(twice)} DataLoader worker(s) wait for a lock that nothing in the worker will "
+                "release: a plain Lock acquired twice by one thread (use RLock), or a lock whose "
+                "holder is itself blocked.",
+                twice,
+            )
         )
-    return [Hint(text, hits)]
+    return hints
 
 
 def _hint_queue_join(procs: list[ProcessReport]) -> list[Hint]:

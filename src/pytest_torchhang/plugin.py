@@ -82,15 +82,15 @@ class _Session:
     def _on_report(self, item: ItemGuard) -> None:
         """Called by the watchdog thread once a hang was captured and its tree killed."""
 
-    def write_json(self, hang: HangReport) -> str | None:
+    def write_json(self, hang: HangReport, nodeid: str) -> str | None:
         """One JSON file per hang in the report directory; names never collide under xdist."""
         report_dir = self.settings.report_dir
         if not report_dir:
             return None
         os.makedirs(report_dir, exist_ok=True)
         self.hang_files += 1
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", hang.test_id)[-120:]
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid)[-120:]
+        worker = _xdist_worker(self.config) or "main"
         path = os.path.join(report_dir, f"{safe}-{worker}-{os.getpid()}-{self.hang_files}.json")
         with open(path, "w") as out:
             json.dump(hang.to_json(), out, indent=1, default=str)
@@ -113,6 +113,13 @@ class _Session:
         if self.dump_dir:
             shutil.rmtree(self.dump_dir, ignore_errors=True)
         _reap_zombie_children()
+
+
+def _xdist_worker(config: pytest.Config) -> str | None:
+    """This process's pytest-xdist worker id (not an inherited variable: pytester sessions
+    started from a worker are not workers)."""
+    workerinput = getattr(config, "workerinput", None)
+    return str(workerinput["workerid"]) if workerinput else None
 
 
 def _pythonpath() -> str:
@@ -285,7 +292,7 @@ def _arm(item: pytest.Item, timeout_s: float) -> ItemGuard:
         shm_baseline=proctree.shm_entries(),
         native=state.settings.native,
     )
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    worker = _xdist_worker(item.config)
     if worker:
         target.root_role = f"pytest (xdist worker {worker})"
     held = ItemGuard(target, deadline, threading.get_ident(), item=item)
@@ -425,7 +432,7 @@ def _mark_hang(item: pytest.Item, report: pytest.TestReport, hang: HangReport) -
         ("torch_hang_processes", str(len(hang.processes))),
         ("torch_hang_headline", hang.headline),
     ]
-    json_path = state.write_json(hang)
+    json_path = state.write_json(hang, item.nodeid)
     if json_path:
         properties.append(("torch_hang_report", json_path))
     report.user_properties.extend(properties)

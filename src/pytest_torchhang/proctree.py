@@ -227,6 +227,12 @@ def kill_tree(
             if gone:
                 del graceful[pid]
                 result.killed.append(ident)  # it cleaned up and exited on its own
+            elif now >= give_up and not include_root and _maps_torch_shm(root_pid):
+                # The root (the test process) still maps tensors this manager serves: killing
+                # it would make freeing them abort the root (libshm throws in a destructor). It
+                # exits, unlinking its segments, once they are freed or the root exits.
+                del graceful[pid]
+                spared[pid] = ident
             elif now >= give_up and signal_process(ident, signal.SIGKILL):
                 del graceful[pid]
                 result.killed.append(ident)
@@ -241,6 +247,15 @@ def kill_tree(
                 result.survivors.append(ident)
     result.reaped = reap(result.killed)
     return result
+
+
+def _maps_torch_shm(pid: int) -> bool:
+    """Whether ``pid`` maps a segment of torch's file_system sharing strategy."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return any(f"{SHM_DIR}/torch_" in line for line in maps)
+    except OSError:
+        return False
 
 
 def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
@@ -329,8 +344,9 @@ def cleanup_shm(baseline: set[str], killed_pids: Iterable[int]) -> list[str]:
     """Unlink /dev/shm segments created since ``baseline`` that the killed tree left behind.
 
     Only multiprocessing/torch names are considered, and only those no live process has open or
-    mapped (a parallel pytest-xdist worker's segments stay); ``torch_<pid>_*`` names must also
-    belong to a killed process.
+    mapped (a parallel pytest-xdist worker's segments stay; a segment the test still maps is its
+    spared torch_shm_manager's to unlink); ``torch_<pid>_*`` names must also belong to a killed
+    process.
     """
     killed = set(killed_pids)
     candidates: set[str] = set()

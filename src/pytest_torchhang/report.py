@@ -86,7 +86,10 @@ class HangReport:
         if self.killed:
             parts[0] += " (" + ", ".join(map(str, self.killed)) + ")"
         if self.spared:
-            parts.append(f"left the session's multiprocessing helpers {self.spared} running")
+            parts.append(
+                f"left helpers {self.spared} running (the session's multiprocessing helpers, or a "
+                "torch_shm_manager serving tensors the test still holds; they exit on their own)"
+            )
         if self.survivors:
             parts.append(f"COULD NOT KILL {self.survivors}")
         if self.shm_removed:
