@@ -43,7 +43,7 @@ def test_openmp_after_fork_and_busy_children_get_their_hints(guarded: GuardedRun
     assert_hang(
         session,
         "test_op_in_a_fork_after_the_parent_ran_ops",
-        "hint: 1 forked process(es) are stuck in a C call*OpenMP after fork*torch.set_num_threads(1)*",
+        "hint: 1 forked process(es) are stuck (blocked or spinning) in a C call*OpenMP after fork*torch.set_num_threads(1)*",
         "*based on: multiprocessing.Process(target=child_op) (pid *), forked from pid *: y = x @ x",
     )
     busy = assert_hang(

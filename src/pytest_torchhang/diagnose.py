@@ -389,7 +389,6 @@ def _hint_openmp_after_fork(procs: list[ProcessReport]) -> list[Hint]:
             or not main.frames
             or proc.cmdline != parent.cmdline
             or proc.role.startswith("DataLoader worker")
-            or proc.busy
             or proc.num_threads != 1
             or parent.num_threads < 2
         ):
@@ -407,8 +406,8 @@ def _hint_openmp_after_fork(procs: list[ProcessReport]) -> list[Hint]:
         return []
     return [
         Hint(
-            f"{len(hits)} forked process(es) are stuck in a C call made straight from their code, with no "
-            "CPU use and a single thread, and were forked from a multi-threaded parent: if that call is "
+            f"{len(hits)} forked process(es) are stuck (blocked or spinning) in a C call made straight "
+            "from their code, with a single thread, forked from a multi-threaded parent: if that call is "
             "a torch op, this is OpenMP after fork (the parent ran torch ops before forking; its thread "
             "pool does not survive fork). Call torch.set_num_threads(1) in the child before any op, or "
             "start it with spawn/forkserver.",
