@@ -12,7 +12,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -49,6 +49,7 @@ class _Session:
     hangs: list[tuple[str, str]] = field(default_factory=list)  # (nodeid, headline)
     hang_files: int = 0
     current: ItemGuard | None = None
+    previous_interrupt: Any = None
     subprocess_runner: runner.Runner | None = None
 
     def get_runner(self) -> runner.Runner:
@@ -74,10 +75,22 @@ class _Session:
         self.watchdog = Watchdog(self.monitor, self._on_report)
         _hook.install(self.dump_dir)
         proctree.become_subreaper()
+        if threading.current_thread() is threading.main_thread():
+            # One handler for the whole session: a late interrupt (the test ended just as the
+            # watchdog fired) then finds no test in phase and does nothing, instead of meeting
+            # the signal's default action, which would terminate pytest.
+            self.previous_interrupt = signal.signal(INTERRUPT_SIGNAL, self._interrupt)
         for key, value in ((_hook.DUMP_DIR_ENV, self.dump_dir), ("PYTHONPATH", _pythonpath())):
             self.saved_env[key] = os.environ.get(key)
             os.environ[key] = value
         return self.watchdog
+
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
+        held = self.current
+        if held is None or not held.in_phase or held.report is None:
+            return
+        held.raised = True
+        raise HangError(held.report.headline, held.report)
 
     def _on_report(self, item: ItemGuard) -> None:
         """Called by the watchdog thread once a hang was captured and its tree killed."""
@@ -105,6 +118,8 @@ class _Session:
         if self.monitor is not None:
             self.monitor.stop()
         _hook.uninstall()
+        if self.previous_interrupt is not None:
+            signal.signal(INTERRUPT_SIGNAL, self.previous_interrupt)
         for key, value in self.saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -260,17 +275,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.stash[_ITEM_SETTINGS] = settings.item_settings(item, state.settings)
 
 
-def _interrupt_handler(item: pytest.Item) -> Callable[[int, FrameType | None], None]:
-    def handler(signum: int, frame: FrameType | None) -> None:
-        held = item.stash.get(_ITEM_GUARD, None)
-        if held is None or not held.in_phase or held.report is None:
-            return
-        held.raised = True
-        raise HangError(held.report.headline, held.report)
-
-    return handler
-
-
 def _arm(item: pytest.Item, timeout_s: float) -> ItemGuard:
     """Put ``item`` under a deadline ``timeout_s`` from now (or tighten the one it has)."""
     state = item.config.stash[_SESSION]
@@ -296,8 +300,6 @@ def _arm(item: pytest.Item, timeout_s: float) -> ItemGuard:
     if worker:
         target.root_role = f"pytest (xdist worker {worker})"
     held = ItemGuard(target, deadline, threading.get_ident(), item=item)
-    if threading.current_thread() is threading.main_thread():
-        held.previous_handler = signal.signal(INTERRUPT_SIGNAL, _interrupt_handler(item))
     item.stash[_ITEM_GUARD] = held
     state.current = held
     watchdog.arm(held)
@@ -313,8 +315,6 @@ def _disarm(item: pytest.Item) -> None:
     held.disarmed = True
     if state.watchdog is not None:
         state.watchdog.disarm()
-    if held.previous_handler is not None:
-        signal.signal(INTERRUPT_SIGNAL, held.previous_handler)
     state.current = None
 
 

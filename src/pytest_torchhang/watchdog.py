@@ -47,7 +47,6 @@ class ItemGuard:
     raised: bool = False
     attached: bool = False
     disarmed: bool = False
-    previous_handler: Any = None
     item: Any = None  # the pytest item, for hooks that get none (pytest_enter_pdb)
 
 
@@ -191,8 +190,9 @@ class Watchdog:
                 self._fire(item)
             if item.interrupts < INTERRUPTS:
                 item.interrupts += 1
-                with contextlib.suppress(OSError, ValueError):
-                    signal.pthread_kill(item.main_thread, INTERRUPT_SIGNAL)
+                if self._current is item:  # the test may have just ended
+                    with contextlib.suppress(OSError, ValueError):
+                        signal.pthread_kill(item.main_thread, INTERRUPT_SIGNAL)
                 item.deadline = time.monotonic() + INTERRUPT_EVERY_S
             elif item.fires < MAX_FIRES:
                 item.interrupts = 0
