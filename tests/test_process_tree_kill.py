@@ -151,3 +151,37 @@ def test_a_main_thread_holding_the_gil_in_c_still_ends_the_session(guarded: Guar
     assert "libc.pthread_mutex_lock(mutex)  # self-deadlock" in text
     assert "[Python child]" in text
     session.assert_clean()
+
+
+LEAKY = '''
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+
+
+def sleep_forever():
+    time.sleep(1000)
+
+
+def test_passes_but_leaves_a_non_daemon_child():
+    mp.get_context("fork").Process(target=sleep_forever).start()  # joined at interpreter exit
+
+
+def test_passes_but_leaves_a_subprocess():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
+'''
+
+
+def test_what_passing_tests_leave_running_is_killed_at_session_end(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_leaky=LEAKY)
+    session = guarded.run(timeout=30)
+    session.result.assert_outcomes(passed=2)
+    assert session.wall_s < 60, session.wall_s  # multiprocessing's exit join did not hang
+    session.result.stdout.fnmatch_lines(
+        [
+            "*torch-hang: processes left running by tests*",
+            "killed 2 process(es) at session end*",
+        ]
+    )
+    session.assert_clean()

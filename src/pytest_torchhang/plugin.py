@@ -50,6 +50,7 @@ class _Session:
     hang_files: int = 0
     current: ItemGuard | None = None
     previous_interrupt: Any = None
+    leftovers: list[str] = field(default_factory=list)  # what tests left running, killed at the end
     subprocess_runner: runner.Runner | None = None
 
     def get_runner(self) -> runner.Runner:
@@ -58,11 +59,13 @@ class _Session:
             self.subprocess_runner = runner.Runner()
         return self.subprocess_runner
 
-    def own_pids(self) -> set[int]:
+    def own_pids(self, start: bool = True) -> set[int]:
         """The plugin's own processes: never part of a test's tree."""
         pids = self.subprocess_runner.helper_pids() if self.subprocess_runner is not None else set()
         if self.monitor is not None:
-            pids.add(self.monitor.ensure_started())
+            pid = self.monitor.ensure_started() if start else self.monitor.pid
+            if pid is not None:
+                pids.add(pid)
         return pids
 
     def activate(self) -> Watchdog:
@@ -236,13 +239,35 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_SESSION, None)
     if state is None:
         return
+    active = state.watchdog is not None
     state.close()
-    if state.hangs:
-        # A hung test may have left a thread of this process blocked forever; Python joins
-        # non-daemon threads at exit. Bound the exit (the dump says which thread blocked it).
+    main = threading.main_thread()
+    blocking = [t for t in threading.enumerate() if t is not main and t.is_alive() and not t.daemon]
+    if active and (state.hangs or blocking):
+        # Python joins non-daemon threads at exit, and a test (hung or not) may have left one
+        # blocked forever: bound the exit. The dump says which thread blocked it. The fd stays
+        # open for that dump.
         faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=state.stderr_fd)
-    with contextlib.suppress(OSError):
-        os.close(state.stderr_fd)
+    else:
+        with contextlib.suppress(OSError):
+            os.close(state.stderr_fd)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Kill what guarded tests left running, so nothing blocks exit or outlives the session."""
+    state = session.config.stash.get(_SESSION, None)
+    if state is None or state.watchdog is None:
+        return
+    own = state.own_pids(start=False)
+    leftovers = [p for p in proctree.descendants(os.getpid(), own) if not proctree.is_zombie(p)]
+    if not leftovers:
+        return
+    described = {}
+    for proc in leftovers:
+        with contextlib.suppress(Exception):
+            described[proc.pid] = " ".join(proc.cmdline())[:200]
+    result = proctree.kill_tree(os.getpid(), exclude=own)
+    state.leftovers = [f"{p.pid}: {described.get(p.pid, '?')}" for p in result.killed]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -486,6 +511,15 @@ def pytest_report_teststatus(
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
 ) -> None:
+    state = config.stash.get(_SESSION, None)
+    if state is not None and state.leftovers:
+        terminalreporter.write_sep("=", "torch-hang: processes left running by tests", yellow=True)
+        for line in state.leftovers:
+            terminalreporter.write_line(line)
+        terminalreporter.write_line(
+            f"killed {len(state.leftovers)} process(es) at session end (they would have blocked "
+            "pytest's exit or outlived it)"
+        )
     stats = terminalreporter.stats
     hangs = [r for r in stats.get("failed", []) + stats.get("error", []) if _is_hang(r)]
     if not hangs:

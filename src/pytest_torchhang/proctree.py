@@ -84,7 +84,7 @@ def _safe_name(proc: psutil.Process) -> str:
         return ""
 
 
-def _is_zombie(proc: psutil.Process) -> bool:
+def is_zombie(proc: psutil.Process) -> bool:
     try:
         return proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -179,7 +179,7 @@ def kill_tree(
         targets: list[psutil.Process] = []
         grew = False
         for proc in procs:
-            if proc.pid in spared or proc.pid in graceful or _is_zombie(proc):
+            if proc.pid in spared or proc.pid in graceful or is_zombie(proc):
                 continue
             ident = seen.get(proc.pid)
             if ident is None:
@@ -219,7 +219,7 @@ def kill_tree(
         now = time.monotonic()
         for pid, (ident, give_up) in list(graceful.items()):
             try:
-                gone = not same_process(psutil.Process(pid), ident) or _is_zombie(
+                gone = not same_process(psutil.Process(pid), ident) or is_zombie(
                     psutil.Process(pid)
                 )
             except psutil.Error:
@@ -243,7 +243,7 @@ def kill_tree(
     for pid, ident in seen.items():
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
-            if same_process(proc, ident) and not _is_zombie(proc):
+            if same_process(proc, ident) and not is_zombie(proc):
                 result.survivors.append(ident)
     result.reaped = reap(result.killed)
     return result
