@@ -252,13 +252,16 @@ def _role_kind(role: str) -> str:
 def headline(test_id: str, elapsed: float, processes: list[ProcessReport], root_pid: int) -> str:
     """``HANG after 8.0s in test_x: 3 processes, 2 stuck in DataLoader worker __getitem__``."""
     head = f"HANG after {elapsed:.1f}s in {test_id}: {len(processes)} process{'es' if len(processes) != 1 else ''}"
-    others = [p for p in processes if p.pid != root_pid and p.stuck_at]
+    # helpers wait by design: they name the hang only when nothing else does
+    others = [
+        p
+        for p in processes
+        if p.pid != root_pid and p.stuck_at and not p.role.startswith(HELPER_ROLES)
+    ]
     if not others:
         root = next((p for p in processes if p.pid == root_pid), None)
         return head + (f", stuck in {root.stuck_at}" if root and root.stuck_at else "")
-    # helpers wait by design; count them only when nothing else is stuck
-    main_actors = [p for p in others if not p.role.startswith(HELPER_ROLES)] or others
-    groups = Counter((_role_kind(p.role), p.stuck_at) for p in main_actors)
+    groups = Counter((_role_kind(p.role), p.stuck_at) for p in others)
     (kind, where), count = groups.most_common(1)[0]
     return f"{head}, {count} stuck in {kind} {where}"
 
