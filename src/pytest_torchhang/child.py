@@ -94,19 +94,19 @@ def run_request(request_path: str) -> int:
         os.close(fd)
     crash = open(crash_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=crash, all_threads=True)
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    if cwd:
-        with contextlib.suppress(OSError):
-            os.chdir(cwd)
-    sys.path[:] = sys_path or sys.path
-    _hook.install(dump_dir)
-    _hook.set_role(role)
-    become_subreaper()  # so what the job starts stays in this child's tree until we clean it
-    try:
+    try:  # from here on every error reaches the test as this child's exception
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if cwd:
+            with contextlib.suppress(OSError):
+                os.chdir(cwd)
+        sys.path[:] = sys_path or sys.path
+        _hook.install(dump_dir)
+        _hook.set_role(role)
+        become_subreaper()  # so what the job starts stays in this child's tree until we clean it
         if main_path:
             _load_main(main_path)
         fn, args, kwargs = pickle.loads(payload)

@@ -47,7 +47,7 @@ class TorchHang:
         self,
         get_runner: Callable[[], runner.Runner],
         test_id: str,
-        deadline: float | None,
+        deadline: Callable[[], float | None],
         gpus: list[str] | None = None,
         native: bool = False,
     ) -> None:
@@ -57,7 +57,7 @@ class TorchHang:
         self._deadline = deadline
         self._gpus = gpus
 
-    def _timeout(self, timeout: float | None) -> float:
+    def _timeout(self, timeout: float | None, name: str = "timeout") -> float:
         if timeout is not None:
             if (
                 isinstance(timeout, bool)
@@ -65,10 +65,11 @@ class TorchHang:
                 or not math.isfinite(timeout)
                 or timeout <= 0
             ):
-                raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+                raise ValueError(f"{name} must be a number of seconds > 0, got {timeout!r}")
             return float(timeout)
-        if self._deadline is not None:
-            return max(self._deadline - time.monotonic() - MARGIN_S, 0.1)
+        deadline = self._deadline()  # read now: the test's deadline may have moved
+        if deadline is not None:
+            return max(deadline - time.monotonic() - MARGIN_S, 0.1)
         return DEFAULT_TIMEOUT_S
 
     def _method(self, start_method: str | None) -> str:
@@ -100,6 +101,12 @@ class TorchHang:
         signal raises ``ChildCrashed``; a child still running at the deadline raises ``HangError``
         with the stacks of its whole tree (which is killed). ``timeout=None``: the test's timeout.
         """
+        for key, value in (env or {}).items():
+            if not isinstance(key, str) or not (value is None or isinstance(value, str)):
+                raise TypeError(
+                    f"env maps variable names (str) to values (str, or None to unset), got "
+                    f"{key!r}: {value!r}"
+                )
         return self._run_one(
             fn,
             args,
@@ -150,7 +157,9 @@ class TorchHang:
         ``dataset_or_factory`` is a picklable dataset, or a picklable callable returning a
         dataset or a DataLoader; ``loader_kwargs`` go to ``DataLoader``.
         """
-        if batches is not None and (not isinstance(batches, int) or batches < 0):
+        if batches is not None and (
+            isinstance(batches, bool) or not isinstance(batches, int) or batches < 0
+        ):
             raise ValueError(f"batches must be None or an int >= 0, got {batches!r}")
         check_picklable(dataset_or_factory, "torch_hang.dataloader's dataset or factory")
         return self._run_one(  # type: ignore[no-any-return]
@@ -196,7 +205,9 @@ class TorchHang:
             )
         check_picklable(fn, "torch_hang.distributed's callable")
         seconds, method = self._timeout(timeout), self._method(start_method)
-        init_seconds = self._timeout(init_timeout) if init_timeout is not None else seconds
+        init_seconds = (
+            self._timeout(init_timeout, "init_timeout") if init_timeout is not None else seconds
+        )
         the_runner = self._get_runner()
         store = os.path.join(the_runner.workdir, f"store-{os.getpid()}-{time.monotonic_ns()}")
         # gloo would wait 30 minutes by default: bound it, just past our own deadline, so the
@@ -286,7 +297,7 @@ def run_isolated(
                 f"isolate=True runs {test_id} in a child process, so its fixture values must be "
                 f"picklable; {name!r} is not ({type(exc).__name__}: {exc})"
             ) from None
-    hang = TorchHang(lambda: the_runner, test_id, None)
+    hang = TorchHang(lambda: the_runner, test_id, lambda: None)
     hang._run_one(
         jobs.call_test,
         (function, funcargs),

@@ -16,7 +16,15 @@ import psutil
 from . import diagnose
 from ._hook import role_path
 from .native import native_stacks
-from .proctree import KillResult, ProcessId, cleanup_shm, descendants, helper_kind, kill_tree
+from .proctree import (
+    KillResult,
+    ProcessId,
+    cleanup_shm,
+    descendants,
+    helper_kind,
+    is_zombie,
+    kill_tree,
+)
 from .report import HangReport, ProcessReport
 
 __all__ = ["GuardTarget", "HangReport", "capture", "kill", "tree"]
@@ -113,7 +121,9 @@ def tree(target: GuardTarget) -> list[psutil.Process]:
             procs.append(psutil.Process(root))
             procs.extend(descendants(root, target.exclude))
     seen: set[int] = set()
-    return [p for p in procs if not (p.pid in seen or seen.add(p.pid))]  # type: ignore[func-returns-value]
+    unique = [p for p in procs if not (p.pid in seen or seen.add(p.pid))]  # type: ignore[func-returns-value]
+    # zombies wait for nothing: they are a parent's unfinished business, not part of a hang
+    return [p for p in unique if p.pid == target.root_pid or not is_zombie(p)]
 
 
 def _roles(dump_dir: str | None, pids: list[int]) -> dict[int, str]:

@@ -12,7 +12,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -56,7 +56,7 @@ class _Session:
     def get_runner(self) -> runner.Runner:
         """The subprocess runner (and its zygote), created on first use."""
         if self.subprocess_runner is None:
-            self.subprocess_runner = runner.Runner()
+            self.subprocess_runner = runner.Runner(self.paused_deadline)
         return self.subprocess_runner
 
     def own_pids(self, start: bool = True) -> set[int]:
@@ -75,7 +75,7 @@ class _Session:
         self.dump_dir = tempfile.mkdtemp(prefix="torchhang-")
         self.monitor = MonitorClient(self.dump_dir, self.stderr_fd, self.settings.report_dir)
         self.monitor.ensure_started()
-        self.watchdog = Watchdog(self.monitor, self._on_report)
+        self.watchdog = Watchdog(self.monitor, self._on_report, lambda: self.own_pids(start=False))
         _hook.install(self.dump_dir)
         proctree.become_subreaper()
         if threading.current_thread() is threading.main_thread():
@@ -87,6 +87,22 @@ class _Session:
             self.saved_env[key] = os.environ.get(key)
             os.environ[key] = value
         return self.watchdog
+
+    @contextlib.contextmanager
+    def paused_deadline(self) -> Iterator[None]:
+        """Stop the current test's clock meanwhile (the zygote's start is the session's cost)."""
+        held = self.current
+        if held is None or held.fires or self.watchdog is None:
+            yield
+            return
+        saved, started = held.deadline, time.monotonic()
+        held.deadline = float("inf")
+        self.watchdog.arm(held)
+        try:
+            yield
+        finally:
+            held.deadline = saved + (time.monotonic() - started)
+            self.watchdog.arm(held)
 
     def _interrupt(self, signum: int, frame: FrameType | None) -> None:
         held = self.current
@@ -103,13 +119,17 @@ class _Session:
         report_dir = self.settings.report_dir
         if not report_dir:
             return None
-        os.makedirs(report_dir, exist_ok=True)
         self.hang_files += 1
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid)[-120:]
         worker = _xdist_worker(self.config) or "main"
         path = os.path.join(report_dir, f"{safe}-{worker}-{os.getpid()}-{self.hang_files}.json")
-        with open(path, "w") as out:
-            json.dump(hang.to_json(), out, indent=1, default=str)
+        try:
+            os.makedirs(report_dir, exist_ok=True)
+            with open(path, "w") as out:
+                json.dump(hang.to_json(), out, indent=1, default=str)
+        except OSError as exc:  # a report that cannot be written must not end the session
+            hang.notes.append(f"the JSON report could not be written to {path}: {exc}")
+            return None
         return path
 
     def close(self) -> None:
@@ -450,7 +470,6 @@ def _mark_hang(item: pytest.Item, report: pytest.TestReport, hang: HangReport) -
     state = item.config.stash[_SESSION]
     path, lineno, _ = item.location
     report.outcome = "failed"
-    report.longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
     properties = [
         (HANG_PROPERTY, "true"),
         ("torch_hang_timeout", f"{hang.timeout_s:g}"),
@@ -460,6 +479,7 @@ def _mark_hang(item: pytest.Item, report: pytest.TestReport, hang: HangReport) -
     json_path = state.write_json(hang, item.nodeid)
     if json_path:
         properties.append(("torch_hang_report", json_path))
+    report.longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
     report.user_properties.extend(properties)
     if report.when != "teardown":
         # JUnit XML writes the properties of the teardown report, a copy of the item's
@@ -563,7 +583,7 @@ def torch_hang(request: pytest.FixtureRequest) -> fixtures.TorchHang:
     node = request.node
     gpus = devices.leased_devices(node)
     return fixtures.TorchHang(
-        state.get_runner, node.nodeid, _deadline(node), gpus, native=state.settings.native
+        state.get_runner, node.nodeid, lambda: _deadline(node), gpus, native=state.settings.native
     )
 
 

@@ -12,6 +12,9 @@ from .stacks import ThreadStack
 SCHEMA_VERSION = 1
 #: Upper bound on the text of one report; the JSON keeps everything that was captured.
 MAX_TEXT_CHARS = 200_000
+#: Upper bound on one process's block in the text, and on the threads shown per process.
+MAX_BLOCK_CHARS = 40_000
+MAX_THREADS = 40
 
 
 @dataclass
@@ -73,13 +76,25 @@ class HangReport:
         for note in self.notes:
             out.append(f"note: {note}")
         out.append("")
+        head = "\n".join(out)
+        tail = self._kill_summary()
+        # Bounded, but the headline, the hints and the cleanup line always stay: each process
+        # block is capped, and blocks that no longer fit are counted instead of shown.
+        budget = MAX_TEXT_CHARS - len(head) - len(tail) - 300
+        blocks, left_out = [], 0
         for proc in self.processes:
-            out.extend(_process_text(proc))
-        out.append(self._kill_summary())
-        text = "\n".join(out)
-        if len(text) > MAX_TEXT_CHARS:
-            text = text[:MAX_TEXT_CHARS] + f"\n... report cut at {MAX_TEXT_CHARS} characters"
-        return text
+            block = _cap("\n".join(_process_text(proc)), MAX_BLOCK_CHARS)
+            if len(block) + 1 <= budget:
+                blocks.append(block)
+                budget -= len(block) + 1
+            else:
+                left_out += 1
+        if left_out:
+            blocks.append(
+                f"... {left_out} process block(s) left out to keep the report under "
+                f"{MAX_TEXT_CHARS} characters (the JSON report has every one)\n"
+            )
+        return "\n".join([head, *blocks, tail])
 
     def _kill_summary(self) -> str:
         parts = [f"killed {len(self.killed)} process(es)"]
@@ -108,6 +123,14 @@ class HangReport:
         return doc
 
 
+def _cap(block: str, limit: int) -> str:
+    if len(block) <= limit:
+        return block
+    cut = block.rfind("\n", 0, limit)
+    hidden = block.count("\n", cut)
+    return block[:cut] + f"\n        ... {hidden} more line(s) of this process left out\n"
+
+
 def _process_text(proc: ProcessReport) -> list[str]:
     mib = proc.rss_bytes / (1 << 20)
     busy = f", +{proc.cpu_delta_s:.2f}s CPU during capture (busy)" if proc.busy else ""
@@ -119,7 +142,7 @@ def _process_text(proc: ProcessReport) -> list[str]:
     ]
     if proc.dump_status != "ok":
         out.append(f"    ({proc.dump_status})")
-    for thread in proc.threads:
+    for thread in proc.threads[:MAX_THREADS]:
         role = proc.thread_roles.get(thread.ident, "")
         words = ["main thread" if thread.current else "thread", thread.ident]
         words += [f'"{thread.name}"'] if thread.name else []
@@ -136,6 +159,8 @@ def _process_text(proc: ProcessReport) -> list[str]:
                 out.append(f"            {frame.line}")
         if thread.truncated:
             out.append("        ...")
+    if len(proc.threads) > MAX_THREADS:
+        out.append(f"    ... {len(proc.threads) - MAX_THREADS} more thread(s) not shown")
     if proc.native:
         out.append("    native stacks (most recent call last):")
         out.extend(f"        {line}" for line in proc.native.splitlines())

@@ -58,8 +58,24 @@ def session_settings(config: pytest.Config) -> SessionSettings:
     cli_value = config.getoption("torch_hang_timeout")
     if cli_value is not None:
         timeout, source = parse_timeout(cli_value, TIMEOUT_OPTION), "command line"
-    report_dir = config.getoption("torch_hang_report_dir") or config.getini(REPORT_DIR_INI) or None
-    native = bool(config.getoption("torch_hang_native") or config.getini(NATIVE_INI))
+    report_dir, dir_source = config.getoption("torch_hang_report_dir"), REPORT_DIR_OPTION
+    if not report_dir:
+        report_dir, dir_source = (
+            config.getini(REPORT_DIR_INI) or None,
+            f"ini option {REPORT_DIR_INI}",
+        )
+    if report_dir and os.path.exists(report_dir) and not os.path.isdir(report_dir):
+        raise pytest.UsageError(
+            f"{dir_source} must be a directory (created if missing), got {report_dir!r}, "
+            "which is a file"
+        )
+    try:
+        native_ini = bool(config.getini(NATIVE_INI))
+    except ValueError:
+        raise pytest.UsageError(
+            f"ini option {NATIVE_INI} must be true or false, got {config.inicfg.get(NATIVE_INI)!r}"
+        ) from None
+    native = bool(config.getoption("torch_hang_native")) or native_ini
     return SessionSettings(timeout, source, report_dir, native)
 
 
@@ -75,6 +91,10 @@ def _marker_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any,
     unknown = set(kwargs) - {"timeout", "isolate"}
     if unknown or len(args) > 1:
         raise TypeError(f"takes (timeout=None, isolate=False), got args={args!r} kwargs={kwargs!r}")
+    if args and "timeout" in kwargs:
+        raise TypeError(
+            f"timeout given twice (positionally {args[0]!r} and as timeout={kwargs['timeout']!r})"
+        )
     timeout = args[0] if args else kwargs.get("timeout")
     isolate = kwargs.get("isolate", False)
     if not isinstance(isolate, bool):

@@ -18,8 +18,6 @@ from .proctree import ProcessId, signal_process
 
 #: Frames kept per thread in a report (faulthandler itself stops at 100).
 MAX_FRAMES = 60
-#: Threads kept per process in a report (the rest are counted).
-MAX_THREADS = 40
 
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")
 _FRAME_LINE = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')

@@ -130,7 +130,13 @@ class MonitorClient:
 class Watchdog:
     """One thread per session; at most one armed test at a time (pytest runs them one by one)."""
 
-    def __init__(self, monitor: MonitorClient, on_report: Callable[[ItemGuard], None]) -> None:
+    def __init__(
+        self,
+        monitor: MonitorClient,
+        on_report: Callable[[ItemGuard], None],
+        own_pids: Callable[[], set[int]] = set,
+    ) -> None:
+        self._own_pids = own_pids  # the plugin's processes now (a zygote may have started since)
         self._monitor = monitor
         self._on_report = on_report
         self._cond = threading.Condition()
@@ -205,6 +211,7 @@ class Watchdog:
         self._monitor.send("FIRED")
         if self._monitor.pid is not None:  # a restarted monitor has a new pid: never kill it
             item.target.exclude.add(self._monitor.pid)
+        item.target.exclude |= self._own_pids()
         skip = {self._thread.ident} if self._thread.ident else set()
         try:
             report = guard.capture(item.target, skip_threads=skip)
