@@ -468,10 +468,7 @@ def lease_timeout(config: pytest.Config) -> float:
     env_value = os.environ.get(LEASE_TIMEOUT_ENV, "")
     if env_value.strip():
         timeout, source = env_value, f"environment variable {LEASE_TIMEOUT_ENV}"
-    try:
-        seconds = float(timeout)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        seconds = math.nan
+    seconds = settings.seconds_or_nan(timeout)
     if not math.isfinite(seconds) or seconds < 0:
         raise pytest.UsageError(
             f"{source} must be a finite number of seconds >= 0 that a gpu test may wait for "
@@ -642,20 +639,7 @@ class DevicePlugin:
         # (A UsageError from a hook would do on a plain run, but pytest-xdist workers turn it
         # into an INTERNALERROR that loses the message.)
         report = yield
-        if not report.passed:
-            return report
-        problems: list[str] = []
-        for node in report.result:
-            if isinstance(node, pytest.Item):
-                try:
-                    requested_gpus(node)
-                except MarkerError as exc:
-                    problems.append(str(exc))
-        if problems:
-            report.outcome = "failed"
-            report.longrepr = "\n".join(problems)
-            report.result = []
-        return report
+        return settings.fail_collection_on_bad_markers(report, requested_gpus, (MarkerError,))
 
     @pytest.hookimpl(trylast=True)  # last: see markers that other plugins add here
     def pytest_collection_modifyitems(

@@ -297,21 +297,12 @@ def pytest_make_collect_report(
     # On a pytest-xdist worker a usage error raised during collection becomes an INTERNALERROR
     # that loses its message: there, a bad torch_hang marker fails its module's collection.
     report = yield
-    if not report.passed or not hasattr(collector.config, "workerinput"):
+    if not hasattr(collector.config, "workerinput"):
         return report
     state = collector.config.stash[_SESSION]
-    problems = []
-    for node in report.result:
-        if isinstance(node, pytest.Item):
-            try:
-                settings.item_settings(node, state.settings)
-            except pytest.UsageError as exc:
-                problems.append(str(exc))
-    if problems:
-        report.outcome = "failed"
-        report.longrepr = "\n".join(problems)
-        report.result = []
-    return report
+    return settings.fail_collection_on_bad_markers(
+        report, lambda item: settings.item_settings(item, state.settings), (pytest.UsageError,)
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +20,45 @@ NATIVE_INI = "torch_hang_native"
 MARKER = "torch_hang"
 
 
+def seconds_or_nan(value: object) -> float:
+    """``value`` as a float number of seconds, NaN when it is not one (booleans are not)."""
+    if isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def fail_collection_on_bad_markers(
+    report: pytest.CollectReport,
+    check: Callable[[pytest.Item], object],
+    errors: tuple[type[Exception], ...],
+) -> pytest.CollectReport:
+    """Turn ``report`` into a collection error listing the items whose markers ``check`` rejects.
+
+    On a pytest-xdist worker a usage error raised during collection becomes an INTERNALERROR
+    that loses its message; a failed collection report keeps it.
+    """
+    if not report.passed:
+        return report
+    problems = []
+    for node in report.result:
+        if isinstance(node, pytest.Item):
+            try:
+                check(node)
+            except errors as exc:
+                problems.append(str(exc))
+    if problems:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(problems)
+        report.result = []
+    return report
+
+
 def parse_timeout(value: object, source: str) -> float:
     """Turn ``value`` into seconds (0 = off) or raise a usage error naming ``source``."""
-    if isinstance(value, bool):
-        seconds = math.nan
-    else:
-        try:
-            seconds = float(value)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            seconds = math.nan
+    seconds = seconds_or_nan(value)
     if not math.isfinite(seconds) or seconds < 0:
         raise pytest.UsageError(
             f"{source} must be a finite number of seconds >= 0 (0 turns the guard off), got {value!r}"
