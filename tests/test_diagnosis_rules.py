@@ -87,3 +87,51 @@ def test_with_gloo_a_rank_that_leaves_early_is_named_in_its_peers_error(
     session = guarded.run(timeout=30)
     session.result.assert_outcomes(passed=1)
     session.assert_clean()
+
+
+RANK_GONE_HANG = '''
+import os
+import subprocess
+import sys
+
+RANK = """
+import os, subprocess, sys
+import torch
+import torch.distributed as dist
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+if rank == 1:
+    # leaks its gloo sockets into a helper that outlives it, then leaves: rank 0 never notices
+    subprocess.Popen(["sleep", "1000"], close_fds=False, env={})
+    os._exit(0)
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_torchrun_style_rank_leaves_while_its_peer_waits(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path / "store")], env={**env, "RANK": str(r)})
+        for r in range(2)
+    ]
+    for rank in ranks:
+        rank.wait()
+'''
+
+
+def test_a_rank_gone_while_its_peer_waits_in_a_collective_is_named(guarded: GuardedRunner) -> None:
+    # ranks launched torchrun-style (RANK/WORLD_SIZE in their environment)
+    guarded.pytester.makepyfile(test_rank_gone=RANK_GONE_HANG)
+    session = guarded.run(timeout=10)
+    session.result.assert_outcomes(failed=1)
+    assert_hang(
+        session,
+        "test_torchrun_style_rank_leaves_while_its_peer_waits",
+        "hint: rank(s) 1 of 2 are no longer running*while rank 0/2 waits in all_reduce*",
+        "*[[]rank 0/2[]]*",
+        "*dist.all_reduce(torch.ones(1))*",
+    )
+    session.assert_clean()

@@ -356,7 +356,7 @@ def _hint_rank_gone(procs: list[ProcessReport]) -> list[Hint]:
     waiting = [p for p in ranks if _collective(p)]
     if not missing or not waiting:
         return []
-    where = ", ".join(f"rank {_rank_no(p)} in {_collective(p)}" for p in waiting)
+    where = ", ".join(f"rank {_rank_no(p)} waits in {_collective(p)}" for p in waiting)
     return [
         Hint(
             f"rank(s) {', '.join(missing)} of {size} are no longer running (they returned, exited or "
