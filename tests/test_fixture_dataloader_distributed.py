@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from pytest_torchhang import HangError
+from pytest_torchhang import ChildCrashed, HangError
 
 
 class Squares(Dataset):
@@ -78,6 +78,21 @@ def test_worker_hang_reports_each_worker(torch_hang):
     assert "[torch_hang.dataloader(Stuck) child]" in text
 
 
+class Segfaults(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        import ctypes
+        ctypes.string_at(0)
+
+
+def test_the_loader_child_crashing_is_a_crash(torch_hang):
+    with pytest.raises(ChildCrashed, match="torch_hang.dataloader.Segfaults. child .* SIGSEGV") as info:
+        torch_hang.dataloader(Segfaults(), batches=1, num_workers=0)
+    assert "in __getitem__" in info.value.crash_trace
+
+
 def test_bad_batches(torch_hang):
     with pytest.raises(ValueError, match="batches must be None or an int >= 0"):
         torch_hang.dataloader(Squares(), batches=-1)
@@ -87,7 +102,7 @@ def test_bad_batches(torch_hang):
 def test_dataloader_stats_errors_and_hangs(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_loader=LOADER)
     session = guarded.run(timeout=60)
-    session.result.assert_outcomes(passed=6)
+    session.result.assert_outcomes(passed=7)
     session.assert_clean()
 
 
@@ -97,7 +112,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from pytest_torchhang import HangError
+from pytest_torchhang import ChildCrashed, HangError
 
 
 def ranks_sum(rank, world_size):
@@ -162,6 +177,21 @@ def test_collective_mismatch_hang_shows_every_rank(torch_hang):
     assert "ranks wait in different collectives (rank 0/2 in all_reduce, rank 1/2 in barrier)" in text
 
 
+def rank_one_segfaults(rank, world_size):
+    if rank == 1:
+        import ctypes
+        ctypes.string_at(0)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_killed_by_a_signal_is_a_crash_naming_it(torch_hang):
+    with pytest.raises(ChildCrashed, match="rank 1/2 .gloo. .pid [0-9]+. was killed by SIGSEGV") as info:
+        torch_hang.distributed(rank_one_segfaults, world_size=2)
+    assert "in rank_one_segfaults" in info.value.crash_trace
+    notes = "\\n".join(info.value.__notes__)
+    assert "rank 1/2 (gloo) failed first; the other ranks:" in notes
+
+
 def test_bad_input(torch_hang):
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         torch_hang.distributed(ranks_sum, world_size=0)
@@ -175,7 +205,7 @@ def test_bad_input(torch_hang):
 def test_distributed_results_failures_and_hangs(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_dist=DISTRIBUTED)
     session = guarded.run(timeout=60)
-    session.result.assert_outcomes(passed=5)
+    session.result.assert_outcomes(passed=6)
     session.assert_clean()
 
 
