@@ -153,7 +153,7 @@ def test_a_main_thread_holding_the_gil_in_c_still_ends_the_session(guarded: Guar
     session.assert_clean()
 
 
-LEAKY = '''
+LEAKY = """
 import multiprocessing as mp
 import subprocess
 import sys
@@ -170,7 +170,7 @@ def test_passes_but_leaves_a_non_daemon_child():
 
 def test_passes_but_leaves_a_subprocess():
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
-'''
+"""
 
 
 def test_what_passing_tests_leave_running_is_killed_at_session_end(guarded: GuardedRunner) -> None:
@@ -183,5 +183,33 @@ def test_what_passing_tests_leave_running_is_killed_at_session_end(guarded: Guar
             "*torch-hang: processes left running by tests*",
             "killed 2 process(es) at session end*",
         ]
+    )
+    session.assert_clean()
+
+
+REPLACED_ENV = """
+import subprocess
+import sys
+
+
+def test_child_with_a_replaced_environment():
+    # env={...} drops the variables that carry the dump hook into the child
+    code = "import threading\\ndef stuck_here():\\n    threading.Event().wait()\\nstuck_here()\\n"
+    subprocess.Popen([sys.executable, "-c", code], env={"MY_SETTING": "1"}).wait()
+"""
+
+
+def test_a_python_child_without_the_hook_is_read_from_outside_when_pystack_is_there(
+    guarded: GuardedRunner,
+) -> None:
+    guarded.pytester.makepyfile(test_env=REPLACED_ENV)
+    session = guarded.run(timeout=2)
+    assert_hang(
+        session,
+        "test_child_with_a_replaced_environment",
+        "*no dump handler*; its Python stack below was read from outside (pystack/py-spy)*",
+        "*stacks read with pystack/py-spy (most recent call last):",
+        "*in stuck_here*",
+        "cleanup: killed 1 process*",
     )
     session.assert_clean()

@@ -194,7 +194,9 @@ def test_native_stacks_show_the_c_frames_where_the_child_waits(guarded: GuardedR
     guarded.pytester.makepyfile(test_native=NATIVE)
     session = guarded.run("--torch-hang-native", timeout=2)
     report = assert_hang(
-        session, "test_child_waits_on_a_lock", "*native stacks (most recent call last):"
+        session,
+        "test_child_waits_on_a_lock",
+        "*stacks read with pystack/py-spy (most recent call last):",
     )
     assert "futex" in report or "sem_wait" in report or "PyThread_acquire_lock" in report
     session.assert_clean()

@@ -15,7 +15,7 @@ import psutil
 
 from . import diagnose
 from ._hook import role_path
-from .native import native_stacks
+from .native import native_stacks, tool_available
 from .proctree import (
     KillResult,
     ProcessId,
@@ -175,6 +175,8 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     notes: list[str] = []
     if target.native:
         notes = _add_native(target, reports)
+    else:
+        _read_from_outside(reports)
     report = HangReport(
         test_id=target.test_id,
         timeout_s=target.timeout_s,
@@ -205,6 +207,24 @@ def _add_native(target: GuardTarget, reports: list[ProcessReport]) -> list[str]:
     for report in reports:
         report.native = result.stacks.get(report.pid, "")
     return [result.note] if result.note else []
+
+
+def _read_from_outside(reports: list[ProcessReport]) -> None:
+    """Python processes without the dump handler: read their stacks with pystack or py-spy,
+    when one is installed (silently skipped otherwise: nobody asked for it)."""
+    silent = [
+        r
+        for r in reports
+        if r.dump_status.startswith("no stack: no dump handler")
+        and os.path.basename(r.cmdline.split(" ", 1)[0]).startswith("python")
+    ]
+    if not silent or not tool_available():
+        return
+    result = native_stacks([r.pid for r in silent], set(), native=False)
+    for report in silent:
+        if report.pid in result.stacks:
+            report.native = result.stacks[report.pid]
+            report.dump_status += "; its Python stack below was read from outside (pystack/py-spy)"
 
 
 def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:

@@ -23,14 +23,23 @@ class NativeResult:
     note: str = ""
 
 
-def _command(tool: str, pid: int, all_threads: bool) -> list[str]:
+def _command(tool: str, pid: int, all_threads: bool, native: bool) -> list[str]:
     if tool.endswith("pystack"):
-        return [tool, "remote", "--native-all" if all_threads else "--native", str(pid)]
-    return [tool, "dump", "--native", "--pid", str(pid)]
+        flag = ["--native-all" if all_threads else "--native"] if native else []
+        return [tool, "remote", *flag, str(pid)]
+    return [tool, "dump", *(["--native"] if native else []), "--pid", str(pid)]
 
 
-def native_stacks(pids: list[int], all_threads: set[int]) -> NativeResult:
-    """Native stacks of ``pids`` (threads without Python frames too for ``all_threads``)."""
+def tool_available() -> bool:
+    return bool(shutil.which("pystack") or shutil.which("py-spy"))
+
+
+def native_stacks(pids: list[int], all_threads: set[int], native: bool = True) -> NativeResult:
+    """Native stacks of ``pids`` (threads without Python frames too for ``all_threads``).
+
+    With ``native=False``, only the Python stacks, read from outside: the fallback for Python
+    processes that have no dump handler (started with a replaced environment, ``python -I``...).
+    """
     tool = shutil.which("pystack") or shutil.which("py-spy")
     if tool is None:
         return NativeResult(
@@ -48,7 +57,7 @@ def native_stacks(pids: list[int], all_threads: set[int]) -> NativeResult:
             continue
         try:
             done = subprocess.run(
-                _command(tool, pid, pid in all_threads),
+                _command(tool, pid, pid in all_threads, native),
                 capture_output=True,
                 text=True,
                 timeout=min(PER_PROCESS_S, left),

@@ -162,7 +162,7 @@ def _process_text(proc: ProcessReport) -> list[str]:
     if len(proc.threads) > MAX_THREADS:
         out.append(f"    ... {len(proc.threads) - MAX_THREADS} more thread(s) not shown")
     if proc.native:
-        out.append("    native stacks (most recent call last):")
+        out.append("    stacks read with pystack/py-spy (most recent call last):")
         out.extend(f"        {line}" for line in proc.native.splitlines())
     out.append("")
     return out
