@@ -14,6 +14,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from bench_jobs import pytest_command
+
 TEST = textwrap.dedent(
     """
     import multiprocessing as mp
@@ -46,17 +48,11 @@ def main() -> None:
             (root / "test_tree.py").write_text(TEST)
             reports = root / "reports"
             subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pytest",
-                    "-q",
-                    "-p",
-                    "no:cacheprovider",
+                pytest_command(
                     "--torch-hang-timeout=4",
                     f"--torch-hang-report-dir={reports}",
                     "test_tree.py",
-                ],
+                ),
                 cwd=root,
                 env={**__import__("os").environ, "BENCH_TREE_SIZE": str(size)},
                 capture_output=True,

@@ -16,3 +16,10 @@ def tmp_rank(index: int, store: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=index, world_size=2)
     dist.destroy_process_group()
+
+
+def pytest_command(*args: str) -> list[str]:
+    """A quiet pytest session in a fresh interpreter, without the cache provider."""
+    import sys
+
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import psutil
+from bench_jobs import pytest_command
 
 CONFTEST = """
 import os
@@ -58,16 +58,10 @@ def main() -> None:
         for name, args in CONFIGS.items():
             env = {**os.environ, "BENCH_OUT": str(out)}
             subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pytest",
-                    "-q",
-                    "-p",
-                    "no:cacheprovider",
+                pytest_command(
                     *args,
                     "test_mem.py",
-                ],
+                ),
                 cwd=root,
                 env=env,
                 capture_output=True,

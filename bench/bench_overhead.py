@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_jobs import pytest_command
+
 CONFIGS = {
     "no plugin": ["-p", "no:torchhang", "-p", "no:timeout"],
     "pytest-timeout --timeout=60 (signal)": ["-p", "no:torchhang", "--timeout=60"],
@@ -43,16 +45,10 @@ def main() -> None:
             for name, args in CONFIGS.items():
                 start = time.perf_counter()
                 subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "pytest",
-                        "-q",
-                        "-p",
-                        "no:cacheprovider",
+                    pytest_command(
                         *args,
                         "test_many.py",
-                    ],
+                    ),
                     cwd=root,
                     env=env,
                     capture_output=True,

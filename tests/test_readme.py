@@ -17,7 +17,7 @@ def _readme_commands() -> list[str]:
 def test_the_readme_has_exactly_two_commands_main_job_then_tests() -> None:
     main_job, tests = _readme_commands()
     assert "examples" in main_job and "--torch-hang-timeout" in main_job
-    assert main_job.startswith("python -m pip install -e \".[test]\" && ")
+    assert main_job.startswith('python -m pip install -e ".[test]" && ')
     assert tests == 'python -m pip install -e ".[test]" && python -m pytest'
 
 
