@@ -31,6 +31,18 @@ def test_rendezvous_waits_for_ranks_never_started(tmp_path):
     tmp.spawn(_lonely, args=(3, str(tmp_path / "store")), nprocs=2)
 
 
+def _late(rank, world_size, store):
+    import time
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    if rank == 1:
+        time.sleep(1000)  # stuck before the collective its peer already waits in
+    dist.barrier()
+
+
+def test_one_rank_never_reaches_the_collective(tmp_path):
+    tmp.spawn(_late, args=(2, str(tmp_path / "store")), nprocs=2)
+
+
 def test_next_test_runs():
     pass
 """
@@ -39,7 +51,7 @@ def test_next_test_runs():
 def test_gloo_ranks_in_different_collectives_are_named(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_ddp=MISMATCH)
     session = guarded.run(timeout=3)
-    session.result.assert_outcomes(failed=2, passed=1)
+    session.result.assert_outcomes(failed=3, passed=1)
     assert_hang(
         session,
         "test_ranks_in_different_collectives",
@@ -54,5 +66,11 @@ def test_gloo_ranks_in_different_collectives_are_named(guarded: GuardedRunner) -
         session,
         "test_rendezvous_waits_for_ranks_never_started",
         "hint: 2 rank(s) wait in the process-group rendezvous*and 2 rank(s) were started*",
+    )
+    assert_hang(
+        session,
+        "test_one_rank_never_reaches_the_collective",
+        "hint: 1 rank(s) wait in barrier for a rank that is not in a collective (rank 1/2 at _late)*",
+        "*time.sleep(1000)*",
     )
     session.assert_clean()
