@@ -135,3 +135,33 @@ def test_a_rank_gone_while_its_peer_waits_in_a_collective_is_named(guarded: Guar
         "*dist.all_reduce(torch.ones(1))*",
     )
     session.assert_clean()
+
+
+STILL_STARTING = """
+import multiprocessing as mp
+
+import torch
+
+
+def work():
+    return torch.ones(1)
+
+
+def test_deadline_shorter_than_a_spawned_childs_start():
+    child = mp.get_context("spawn").Process(target=work)
+    child.start()  # the child imports this module, hence torch, before it runs anything
+    child.join()
+"""
+
+
+def test_children_still_importing_at_the_deadline_get_their_hint(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_starting=STILL_STARTING)
+    session = guarded.run(timeout=1)
+    session.result.assert_outcomes(failed=1)
+    assert_hang(
+        session,
+        "test_deadline_shorter_than_a_spawned_childs_start",
+        "hint: 1 process(es) are still starting up, importing modules*the deadline may be shorter*",
+        "*[[]multiprocessing child (still starting: importing)[]]*",
+    )
+    session.assert_clean()

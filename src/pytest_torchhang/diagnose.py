@@ -184,6 +184,8 @@ def label_roles(
             )
         elif _has(proc, "torch/multiprocessing/spawn.py", "_wrap"):
             ranks.setdefault(proc.ppid, []).append(proc)
+        elif _importing(proc) and "multiprocessing" in proc.cmdline:
+            proc.role = "multiprocessing child (still starting: importing)"
         elif _has(proc, "multiprocessing/managers.py", "serve_forever"):
             proc.role = "Manager server"
         elif _has(proc, "multiprocessing/pool.py", "worker"):
@@ -222,6 +224,37 @@ def is_busy(proc: ProcessReport) -> bool:
 
 _USER_FRAME_WINDOW = 6
 HELPER_ROLES = ("Manager server", "resource_tracker", "forkserver", "torch_shm_manager", "zygote")
+
+
+def _importing(proc: ProcessReport) -> bool:
+    main = _main_thread(proc)
+    return main is not None and any(
+        f.filename == "<frozen importlib._bootstrap>" and f.name == "_find_and_load"
+        for f in main.frames
+    )
+
+
+def _hint_still_starting(procs: list[ProcessReport]) -> list[Hint]:
+    starting = [
+        p
+        for p in procs
+        if p.role != "pytest" and not p.role.startswith("pytest ") and _importing(p)
+    ]
+    if not starting:
+        return []
+    oldest = max(p.age_s for p in starting)
+    return [
+        Hint(
+            f"{len(starting)} process(es) are still starting up, importing modules {oldest:.1f}s after "
+            "they were started: the deadline may be shorter than their start-up (spawn and forkserver "
+            "children import the test module, and torch, anew). Raise the timeout, start them with "
+            "fork, or preload heavy modules in the forkserver (set_forkserver_preload).",
+            [
+                f"{p.role} (pid {p.pid}), age {p.age_s:.1f}s, importing in {p.stuck_at}"
+                for p in starting
+            ],
+        )
+    ]
 
 
 def stuck_at(proc: ProcessReport) -> str:
@@ -662,6 +695,7 @@ _RULES = (
     _hint_pipe,
     _hint_openmp_after_fork,
     _hint_cuda_before_fork,
+    _hint_still_starting,
     _hint_busy,
 )
 
