@@ -125,7 +125,7 @@ def test_torchrun_style_rank_leaves_while_its_peer_waits(tmp_path):
 def test_a_rank_gone_while_its_peer_waits_in_a_collective_is_named(guarded: GuardedRunner) -> None:
     # ranks launched torchrun-style (RANK/WORLD_SIZE in their environment)
     guarded.pytester.makepyfile(test_rank_gone=RANK_GONE_HANG)
-    session = guarded.run(timeout=10)
+    session = guarded.run(timeout=20)  # two fresh interpreters import torch first
     session.result.assert_outcomes(failed=1)
     assert_hang(
         session,

@@ -50,12 +50,12 @@ def test_next_test_runs():
 
 def test_gloo_ranks_in_different_collectives_are_named(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_ddp=MISMATCH)
-    session = guarded.run(timeout=3)
+    session = guarded.run(timeout=6)  # spawned ranks import torch first
     session.result.assert_outcomes(failed=3, passed=1)
     assert_hang(
         session,
         "test_ranks_in_different_collectives",
-        "HANG after 3.* 2 stuck in rank _rank",
+        "HANG after 6.* 2 stuck in rank _rank",
         "*[[]rank 0/2 (torch.multiprocessing.spawn)[]]*",
         "*[[]rank 1/2 (torch.multiprocessing.spawn)[]]*",
         "hint: ranks wait in different collectives (rank 0/2 in all_reduce, rank 1/2 in barrier)*",
