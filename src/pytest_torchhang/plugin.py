@@ -75,7 +75,7 @@ class _Session:
         self.dump_dir = tempfile.mkdtemp(prefix="torchhang-")
         self.monitor = MonitorClient(self.dump_dir, self.stderr_fd, self.settings.report_dir)
         self.monitor.ensure_started()
-        self.watchdog = Watchdog(self.monitor, self._on_report, lambda: self.own_pids(start=False))
+        self.watchdog = Watchdog(self.monitor, lambda: self.own_pids(start=False))
         _hook.install(self.dump_dir)
         proctree.become_subreaper()
         if threading.current_thread() is threading.main_thread():
@@ -110,9 +110,6 @@ class _Session:
             return
         held.raised = True
         raise HangError(held.report.headline, held.report)
-
-    def _on_report(self, item: ItemGuard) -> None:
-        """Called by the watchdog thread once a hang was captured and its tree killed."""
 
     def write_json(self, hang: HangReport, nodeid: str) -> str | None:
         """One JSON file per hang in the report directory; names never collide under xdist."""

@@ -133,12 +133,10 @@ class Watchdog:
     def __init__(
         self,
         monitor: MonitorClient,
-        on_report: Callable[[ItemGuard], None],
         own_pids: Callable[[], set[int]] = set,
     ) -> None:
         self._own_pids = own_pids  # the plugin's processes now (a zygote may have started since)
         self._monitor = monitor
-        self._on_report = on_report
         self._cond = threading.Condition()
         self._current: ItemGuard | None = None
         self._wake_at = float("inf")  # when the thread next wakes by itself
@@ -226,6 +224,5 @@ class Watchdog:
             if report is not item.report and item.report is not None:
                 item.report.killed += report.killed
                 item.report.shm_removed += report.shm_removed
-            self._on_report(item)
         finally:
             item.done.set()
