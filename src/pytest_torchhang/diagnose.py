@@ -413,17 +413,22 @@ _BLOCKING_CALLS = (
 )
 
 
+def _fork_parent(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> ProcessReport | None:
+    """The parent ``proc`` was forked from (without exec): same command line, in the tree."""
+    parent = by_pid.get(proc.ppid)
+    return parent if parent is not None and parent.cmdline == proc.cmdline else None
+
+
 def _hint_openmp_after_fork(procs: list[ProcessReport]) -> list[Hint]:
     by_pid = {p.pid: p for p in procs}
     hits = []
     for proc in procs:
-        parent = by_pid.get(proc.ppid)
+        parent = _fork_parent(proc, by_pid)
         main = _main_thread(proc)
         if (
             parent is None
             or main is None
             or not main.frames
-            or proc.cmdline != parent.cmdline
             or proc.role.startswith("DataLoader worker")
             or proc.num_threads != 1
             or parent.num_threads < 2
@@ -465,8 +470,7 @@ def _hint_cuda_before_fork(procs: list[ProcessReport]) -> list[Hint]:
     hits = [
         f"{p.role} (pid {p.pid}), forked from pid {p.ppid}"
         for p in procs
-        if (parent := by_pid.get(p.ppid)) is not None
-        and p.cmdline == parent.cmdline
+        if (parent := _fork_parent(p, by_pid)) is not None
         and _maps_cuda(parent.pid)
         and any("torch/cuda" in f.filename for f in _frames(p))
     ]
@@ -536,8 +540,7 @@ def _hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
         if frame is None:
             continue
         where = f"{proc.role} (pid {proc.pid}) at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
-        parent = by_pid.get(proc.ppid)
-        forked = parent is not None and parent.cmdline == proc.cmdline  # a fork of its parent
+        forked = _fork_parent(proc, by_pid) is not None
         if not _is_library(frame) and _taken_twice(frame):
             twice.append(where)
         elif forked:

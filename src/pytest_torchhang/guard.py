@@ -169,8 +169,9 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         for p in procs
     ]
     env = {p.pid: _environ(p) for p in procs if p.pid != target.root_pid}
+    stated = _roles(target.dump_dir, [r.pid for r in reports])
     for report_ in reports:
-        report_.role = _roles(target.dump_dir, [report_.pid]).get(report_.pid, report_.role)
+        report_.role = stated.get(report_.pid, report_.role)
     diagnose.label_roles(reports, target.root_pid, env, target.root_role)
     notes: list[str] = []
     if target.native:

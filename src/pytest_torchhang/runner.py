@@ -370,17 +370,15 @@ def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error
             delay = min(delay * 2, 0.02)
 
 
-def hang_report(
-    runner: Runner, children: list[Child], label: str, timeout: float, native: bool = False
-) -> guard.HangReport:
-    """Capture and kill the trees of ``children`` that still run; the report says where they were."""
-    live = [c for c in children if runner.is_running(c)]
-    target = guard.GuardTarget(
+def _target(
+    runner: Runner, live: list[Child], label: str, timeout: float, native: bool
+) -> guard.GuardTarget:
+    """The trees of ``live`` children, roots included, never the runner's own zygote."""
+    return guard.GuardTarget(
         test_id=label,
         timeout_s=timeout,
         root_pid=os.getpid(),
         dump_dir=runner.dump_dir,
-        started=min(c.started for c in children),
         roots=[c.pid for c in live],
         exclude=runner.helper_pids(),
         root_in_process=False,
@@ -388,6 +386,15 @@ def hang_report(
         root_role="",
         native=native,
     )
+
+
+def hang_report(
+    runner: Runner, children: list[Child], label: str, timeout: float, native: bool = False
+) -> guard.HangReport:
+    """Capture and kill the trees of ``children`` that still run; the report says where they were."""
+    live = [c for c in children if runner.is_running(c)]
+    target = _target(runner, live, label, timeout, native)
+    target.started = min(c.started for c in children)
     report = guard.capture(target)
     guard.kill(target, report)
     _reap(runner, live)
@@ -399,17 +406,7 @@ def stop(runner: Runner, children: list[Child]) -> None:
     live = [c for c in children if runner.is_running(c)]
     if not live:
         return
-    target = guard.GuardTarget(
-        test_id="",
-        timeout_s=0,
-        root_pid=os.getpid(),
-        dump_dir=None,
-        roots=[c.pid for c in live],
-        exclude=runner.helper_pids(),
-        root_in_process=False,
-        kill_root=True,
-    )
-    guard.kill(target)
+    guard.kill(_target(runner, live, "", 0.0, False))
     _reap(runner, live)
 
 
