@@ -239,6 +239,12 @@ class TorchHang:
         failed = [c for c in children if the_runner.failed(c)]
         if failed:
             first = min(failed, key=lambda c: c.ended)
+            # A rank that returns closes its connections before its outcome is written, so a
+            # peer can fail first: let the others report for a moment (bounded) before telling
+            # finished ranks from waiting ones. Waiting ranks stay blocked meanwhile: the failed
+            # rank lingers with its connections open.
+            others = [c for c in children if c not in failed]
+            runner.wait(the_runner, others, min(PEER_GRACE_S, max(left, 0.05)), stop_on_error=False)
             waiting = [
                 c
                 for c in children
