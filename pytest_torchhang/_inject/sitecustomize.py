@@ -13,12 +13,15 @@ import sys as _sys
 def _torchhang_bootstrap() -> None:
     here = _os.path.dirname(_os.path.abspath(__file__))
     try:
+        # Loaded under its package name (without importing the package, which needs pytest), so
+        # a later ``from pytest_torchhang import _hook`` in this process gets this very module:
+        # one registration, one at-fork handler, one open dump file.
         spec = _ilu.spec_from_file_location(
-            "_pytest_torchhang_hook", _os.path.join(_os.path.dirname(here), "_hook.py")
+            "pytest_torchhang._hook", _os.path.join(_os.path.dirname(here), "_hook.py")
         )
         if spec is not None and spec.loader is not None:
             hook = _ilu.module_from_spec(spec)
-            _sys.modules["_pytest_torchhang_hook"] = hook
+            _sys.modules["pytest_torchhang._hook"] = hook
             spec.loader.exec_module(hook)
             hook.install()
     except Exception:  # never break the child's start-up

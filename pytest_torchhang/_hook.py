@@ -44,7 +44,17 @@ class _Registration:
 
     dump_dir: str | None = None
     file: TextIO | None = None
+    pid: int = 0  # the process the handler was registered in (a fork child re-registers)
     fork_hook_installed = False
+
+
+def guarded_env() -> dict[str, str]:
+    """Extra environment variables every process of a guarded tree gets, unless the user set them.
+
+    ``TORCH_FR_BUFFER_SIZE`` turns on torch's flight recorder, so a hang report can show each
+    rank's last collectives; it must be set before a process group is created.
+    """
+    return {"TORCH_FR_BUFFER_SIZE": "100"}
 
 
 def _register() -> None:
@@ -58,6 +68,7 @@ def _register() -> None:
         return
     faulthandler.register(DUMP_SIGNAL, file=new_file, all_threads=True, chain=False)
     _Registration.file = new_file
+    _Registration.pid = os.getpid()
     if inherited is not None and inherited is not new_file:
         # After fork the parent's file object came along; close our copy of its descriptor so
         # every fork generation does not carry one more open file.
@@ -75,6 +86,12 @@ def install(dump_dir: str | None = None) -> bool:
     dump_dir = dump_dir or os.environ.get(DUMP_DIR_ENV)
     if not dump_dir or not os.path.isdir(dump_dir):
         return False
+    if (
+        _Registration.dump_dir == dump_dir
+        and _Registration.pid == os.getpid()
+        and _Registration.file is not None
+    ):
+        return True  # already answering in this process (the start-up hook, then the runner)
     _Registration.dump_dir = dump_dir
     _register()
     if not _Registration.fork_hook_installed:
@@ -86,6 +103,7 @@ def install(dump_dir: str | None = None) -> bool:
 def uninstall() -> None:
     """Stop answering the dump signal in this process (used by the pytest process at the end)."""
     _Registration.dump_dir = None
+    _Registration.pid = 0
     try:  # noqa: SIM105
         faulthandler.unregister(DUMP_SIGNAL)
     except (RuntimeError, ValueError):
