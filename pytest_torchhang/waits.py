@@ -1,0 +1,702 @@
+"""Read from /proc, before anything is signalled, what every thread of a tree waits for, and for whom."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+import socket
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .report import Collective, ProcessReport, TaskWait, WaitEdge
+from .stacks import ThreadStack
+
+#: The whole read is bounded: past this, threads keep their syscall but objects are not resolved.
+BUDGET_S = 0.5
+#: At most this many threads are read per process (a torch process may run dozens of idle ones).
+MAX_TASKS = 64
+#: At most this many descriptors of one poll/select are followed.
+MAX_POLL_FDS = 64
+
+_X86_64 = {
+    0: "read", 1: "write", 7: "poll", 17: "pread64", 19: "readv", 20: "writev", 23: "select",
+    24: "sched_yield", 34: "pause", 35: "nanosleep", 42: "connect", 43: "accept", 44: "sendto",
+    45: "recvfrom", 46: "sendmsg", 47: "recvmsg", 61: "wait4", 65: "semop", 72: "fcntl",
+    73: "flock", 128: "rt_sigtimedwait", 130: "rt_sigsuspend", 202: "futex", 219: "restart_syscall",
+    220: "semtimedop", 230: "clock_nanosleep", 232: "epoll_wait", 247: "waitid", 257: "openat",
+    2: "open", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 288: "accept4",
+    441: "epoll_pwait2", 449: "futex_waitv",
+}  # fmt: skip
+_AARCH64 = {
+    63: "read", 64: "write", 73: "ppoll", 67: "pread64", 65: "readv", 66: "writev",
+    72: "pselect6", 124: "sched_yield", 101: "nanosleep", 203: "connect", 202: "accept",
+    206: "sendto", 207: "recvfrom", 211: "sendmsg", 212: "recvmsg", 260: "wait4", 25: "fcntl",
+    32: "flock", 137: "rt_sigtimedwait", 133: "rt_sigsuspend", 98: "futex", 128: "restart_syscall",
+    192: "semtimedop", 115: "clock_nanosleep", 22: "epoll_pwait", 95: "waitid", 56: "openat",
+    242: "accept4", 441: "epoll_pwait2", 449: "futex_waitv",
+}  # fmt: skip
+SYSCALLS = _AARCH64 if platform.machine() in ("aarch64", "arm64") else _X86_64
+
+_FD_READS = ("read", "pread64", "readv", "recvfrom", "recvmsg", "accept", "accept4")
+_FD_WRITES = ("write", "writev", "sendto", "sendmsg", "connect")
+_POLLS = ("poll", "ppoll", "select", "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2")
+_SLEEPS = ("nanosleep", "clock_nanosleep", "pause", "rt_sigsuspend", "rt_sigtimedwait")
+_F_SETLKW = (7, 38)  # F_SETLKW (F_SETLKW64 on 64-bit), F_OFD_SETLKW
+_FUTEX_PRIVATE = 128
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "disk sleep",
+    "T": "stopped",
+    "t": "tracing stop",
+    "Z": "zombie",
+    "X": "dead",
+    "I": "idle",
+}
+
+
+@dataclass
+class Member:
+    """One process of the tree as /proc showed it at the deadline."""
+
+    pid: int
+    ppid: int = 0
+    state: str = "?"  # the letter of /proc/PID/stat
+    exit_code: int | None = None  # zombies: what wait() will return (status word)
+    cpu_ticks: int = 0
+    tasks: list[TaskWait] = field(default_factory=list)
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in ("T", "t")
+
+    @property
+    def gone(self) -> bool:
+        return self.state in ("Z", "X", "gone")
+
+
+@dataclass
+class Evidence:
+    """Every member's threads and the edges between them; read in one bounded pass."""
+
+    members: dict[int, Member] = field(default_factory=dict)
+    read_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def describe_exit(status: int | None) -> str:
+    """``exited with code 1`` / ``killed by SIGKILL`` from a wait status word."""
+    if status is None:
+        return "gone (exit status unknown)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        with contextlib.suppress(ValueError):
+            return f"killed by {_signal_name(sig)}"
+        return f"killed by signal {sig}"
+    return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+def _signal_name(sig: int) -> str:
+    import signal
+
+    return signal.Signals(sig).name
+
+
+def _read(path: str, limit: int = 65536) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _stat(path: str) -> list[str]:
+    """Fields of a /proc stat file after the command name (field 3, the state, comes first)."""
+    text = _read(path, 4096)
+    return text.rsplit(")", 1)[1].split() if ")" in text else []
+
+
+class _Reader:
+    """One pass over the tree; caches what several threads share (fd tables, maps, sockets)."""
+
+    def __init__(self, pids: list[int], skip_tids: set[int], deadline: float) -> None:
+        self.pids = pids
+        self.skip_tids = skip_tids
+        self.deadline = deadline
+        self._fds: dict[int, dict[int, str]] = {}
+        self._holders: dict[str, list[tuple[int, int]]] | None = None
+        self._maps: dict[int, list[tuple[int, int, str, str]]] = {}
+        self._tcp: dict[str, tuple[str, str, str]] | None = None  # inode -> local, remote, state
+        self._unix_peers: dict[str, str] | None = None
+        self._locks: list[tuple[bool, str, str, int]] | None = None
+        self.members: dict[int, Member] = {}
+
+    def late(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    # --- per-process tables -------------------------------------------------------------------
+
+    def fds(self, pid: int) -> dict[int, str]:
+        if pid not in self._fds:
+            table: dict[int, str] = {}
+            base = f"/proc/{pid}/fd"
+            with contextlib.suppress(OSError):
+                for name in os.listdir(base):
+                    with contextlib.suppress(OSError, ValueError):
+                        table[int(name)] = os.readlink(f"{base}/{name}")
+            self._fds[pid] = table
+        return self._fds[pid]
+
+    def holders(self, obj: str) -> list[tuple[int, int]]:
+        """Every (pid, fd) of the tree that holds ``obj`` (``pipe:[123]``, a path, ...)."""
+        if self._holders is None:
+            index: dict[str, list[tuple[int, int]]] = {}
+            for pid in self.pids:
+                for fd, target in self.fds(pid).items():
+                    index.setdefault(target, []).append((pid, fd))
+            self._holders = index
+        return self._holders.get(obj, [])
+
+    def writable(self, pid: int, fd: int) -> bool | None:
+        text = _read(f"/proc/{pid}/fdinfo/{fd}", 512)
+        match = re.search(r"^flags:\s*([0-7]+)", text, re.M)
+        if not match:
+            return None
+        return int(match.group(1), 8) & 3 != 0  # O_WRONLY or O_RDWR
+
+    def maps(self, pid: int) -> list[tuple[int, int, str, str]]:
+        """Shared file mappings of ``pid``: (start, end, inode key, path)."""
+        if pid not in self._maps:
+            out = []
+            for line in _read(f"/proc/{pid}/maps", 4 << 20).splitlines():
+                parts = line.split(None, 5)
+                if len(parts) < 6 or parts[1][3] != "s" or parts[4] == "0":
+                    continue
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                out.append((start, end, f"{parts[3]}:{parts[4]}", parts[5]))
+            self._maps[pid] = out
+        return self._maps[pid]
+
+    def tcp(self) -> dict[str, tuple[str, str, str]]:
+        if self._tcp is None:
+            table: dict[str, tuple[str, str, str]] = {}
+            for name in ("tcp", "tcp6"):
+                for line in _read(f"/proc/net/{name}", 8 << 20).splitlines()[1:]:
+                    parts = line.split()
+                    if len(parts) >= 10:
+                        table[parts[9]] = (parts[1], parts[2], parts[3])
+            self._tcp = table
+        return self._tcp
+
+    def unix_peers(self) -> dict[str, str]:
+        if self._unix_peers is None:
+            self._unix_peers = _unix_peers()
+        return self._unix_peers
+
+    def locks(self) -> list[tuple[bool, str, str, int]]:
+        """/proc/locks as (blocked?, kind, dev:inode, pid)."""
+        if self._locks is None:
+            out = []
+            for line in _read("/proc/locks", 1 << 20).splitlines():
+                parts = line.split()
+                blocked = len(parts) > 1 and parts[1] == "->"
+                if blocked:
+                    parts = parts[:1] + parts[2:]
+                if len(parts) < 6:
+                    continue
+                with contextlib.suppress(ValueError):
+                    major, minor, inode = parts[5].split(":")
+                    key = f"{int(major, 16)}:{int(minor, 16)}:{inode}"
+                    out.append((blocked, parts[1], key, int(parts[4])))
+            self._locks = out
+        return self._locks
+
+    # --- one thread ---------------------------------------------------------------------------
+
+    def task(self, pid: int, tid: int) -> TaskWait:
+        base = f"/proc/{pid}/task/{tid}"
+        stat = _stat(f"{base}/stat")
+        task = TaskWait(
+            tid=tid,
+            name=_read(f"{base}/comm", 64).strip(),
+            state=stat[0] if stat else "?",
+        )
+        raw = _read(f"{base}/syscall", 256).split()
+        wchan = _read(f"{base}/wchan", 128).strip()
+        task.wchan = "" if wchan == "0" else wchan
+        if not raw:
+            task.call = "" if task.state != "R" else "running"
+            return task
+        if raw[0] == "running":
+            task.call = "running"
+            return task
+        try:
+            nr = int(raw[0])
+            args = [int(x, 16) for x in raw[1:7]]
+            task.sp = int(raw[7], 16) if len(raw) > 7 else 0
+        except ValueError:
+            return task
+        if nr == -1:
+            task.call = "running"  # in user space, between system calls
+            return task
+        task.call = SYSCALLS.get(nr, f"syscall {nr}")
+        task.args = args
+        if not self.late():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                self._resolve(pid, task)
+        return task
+
+    def _resolve(self, pid: int, task: TaskWait) -> None:
+        call, args = task.call, task.args
+        if call in _FD_READS or call in _FD_WRITES:
+            self._fd_wait(pid, task, args[0], write=call in _FD_WRITES)
+        elif call in ("poll", "ppoll"):
+            for fd in self._poll_fds(pid, args[0], args[1]):
+                self._fd_wait(pid, task, fd, write=False)
+        elif call in ("select", "pselect6"):
+            for fd in self._select_fds(pid, args[0], args[1]):
+                self._fd_wait(pid, task, fd, write=False)
+        elif call.startswith("epoll"):
+            info = _read(f"/proc/{pid}/fdinfo/{args[0]}", 16384)
+            for fd in re.findall(r"^tfd:\s*(\d+)", info, re.M)[:MAX_POLL_FDS]:
+                self._fd_wait(pid, task, int(fd), write=False)
+        elif call == "futex":
+            self._futex(pid, task, args[0], args[1])
+        elif call == "flock" or (call == "fcntl" and args[1] in _F_SETLKW):
+            self._file_lock(pid, task, args[0])
+        elif call in ("wait4", "waitid"):
+            self._wait_child(pid, task, args)
+        elif call in _SLEEPS:
+            task.obj = "sleeping (a timed wait or a retry loop)"
+
+    def _fd_wait(self, pid: int, task: TaskWait, fd: int, write: bool) -> None:
+        target = self.fds(pid).get(fd)
+        if target is None:
+            return
+        label = f"fd {fd}: {target}"
+        task.obj = f"{task.obj}, {label}" if task.obj else label
+        if target.startswith("pipe:"):
+            want_writer = not write
+            ends = []
+            for holder, hfd in self.holders(target):
+                w = self.writable(holder, hfd)
+                if w is None or w == want_writer:
+                    ends.append(holder)
+            role = "write" if want_writer else "read"
+            pids = sorted(set(ends))
+            if not pids:
+                # a blocked read means a writer exists (else it would read EOF): outside the tree
+                task.waits_for.append(
+                    WaitEdge(-1, 0, f"{target}: only processes outside the tree hold its {role} end")
+                )
+            for other in pids:
+                own = " (its own copy)" if other == pid else ""
+                task.waits_for.append(WaitEdge(other, 0, f"{target}: holds its {role} end{own}"))
+        elif target.startswith("socket:"):
+            inode = target[len("socket:[") : -1]
+            peer = self._socket_peer(inode)
+            if peer is None:
+                return
+            kind, peer_inode, where = peer
+            owners = sorted({h for h, _ in self.holders(f"socket:[{peer_inode}]")})
+            if not owners:
+                task.waits_for.append(
+                    WaitEdge(-1, 0, f"{kind} {target}{where}: its peer is outside the tree")
+                )
+            for other in owners:
+                task.waits_for.append(WaitEdge(other, 0, f"{kind} {target}{where}: holds the peer"))
+        elif target.startswith("/") and not target.startswith(("/dev/", "/proc/")):
+            task.waits_for.append(WaitEdge(-1, 0, f"file {target}"))
+
+    def _socket_peer(self, inode: str) -> tuple[str, str, str] | None:
+        tcp = self.tcp().get(inode)
+        if tcp is not None:
+            local, remote, _state = tcp
+            for other, (l2, r2, _s2) in self.tcp().items():
+                if l2 == remote and r2 == local:
+                    return "tcp socket", other, f" ({_addr(local)} -> {_addr(remote)})"
+            if remote.endswith(":0000"):
+                return "listening tcp socket", "", f" ({_addr(local)})"
+            return "tcp socket", "", f" ({_addr(local)} -> {_addr(remote)})"
+        peer = self.unix_peers().get(inode)
+        if peer is not None:
+            return "unix socket", peer, ""
+        return None
+
+    def _mem(self, pid: int, addr: int, size: int) -> bytes:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            mem.seek(addr)
+            return mem.read(size)
+
+    def _poll_fds(self, pid: int, addr: int, nfds: int) -> list[int]:
+        nfds = min(nfds, MAX_POLL_FDS)
+        data = self._mem(pid, addr, 8 * nfds)
+        fds = [struct.unpack_from("i", data, 8 * i)[0] for i in range(len(data) // 8)]
+        return [fd for fd in fds if fd >= 0]
+
+    def _select_fds(self, pid: int, nfds: int, addr: int) -> list[int]:
+        if not addr:
+            return []
+        data = self._mem(pid, addr, (min(nfds, 1024) + 7) // 8)
+        return [i for i in range(len(data) * 8) if data[i // 8] >> (i % 8) & 1][:MAX_POLL_FDS]
+
+    def _futex(self, pid: int, task: TaskWait, addr: int, op: int) -> None:
+        if op & _FUTEX_PRIVATE:
+            task.obj = f"futex {addr:#x} private to this process (a lock, condition or event)"
+            others = [t for t in os.listdir(f"/proc/{pid}/task") if int(t) != task.tid]
+            others = [t for t in others if int(t) not in self.skip_tids]
+            if not others:
+                task.waits_for.append(
+                    WaitEdge(0, 0, "no other thread in this process can release it")
+                )
+            for t in others[:MAX_TASKS]:
+                task.waits_for.append(WaitEdge(pid, int(t), "another thread of this process"))
+            return
+        mapping = next(((k, p) for s, e, k, p in self.maps(pid) if s <= addr < e), None)
+        if mapping is None:
+            task.obj = f"futex {addr:#x} (shared)"
+            return
+        key, path = mapping
+        task.obj = f"futex {addr:#x} in {path}"
+        sharers = [
+            p for p in self.pids if p != pid and any(k == key for _, _, k, _ in self.maps(p))
+        ]
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+        if not sharers and threads <= 1:
+            task.waits_for.append(WaitEdge(0, 0, f"{path}: mapped by no other process of the tree"))
+        if threads > 1:
+            task.waits_for.append(WaitEdge(pid, 0, f"{path}: another thread of this process"))
+        for other in sharers:
+            task.waits_for.append(WaitEdge(other, 0, f"{path}: mapped there too"))
+
+    def _file_lock(self, pid: int, task: TaskWait, fd: int) -> None:
+        path = self.fds(pid).get(fd, f"fd {fd}")
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+        key = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}:{st.st_ino}"
+        task.obj = f"file lock on {path}"
+        held = sorted({p for blocked, _k, k, p in self.locks() if k == key and not blocked})
+        for holder in held:
+            known = holder in self.pids or holder <= 0
+            task.waits_for.append(
+                WaitEdge(holder if known else -1, 0, f"holds the lock on {path}")
+                if holder > 0
+                else WaitEdge(-1, 0, f"an open-file-description lock on {path}")
+            )
+
+    def _wait_child(self, pid: int, task: TaskWait, args: list[int]) -> None:
+        if task.call == "wait4":
+            target = args[0] if args[0] < 1 << 31 else args[0] - (1 << 64)
+        else:  # waitid(idtype, id, ...): P_PID = 1
+            target = args[1] if args[0] == 1 else -1
+        children = _children(pid)
+        wanted = [target] if target > 0 else children
+        task.obj = f"waits for child {target} to exit" if target > 0 else "waits for any child"
+        for child in wanted:
+            task.waits_for.append(WaitEdge(child, 0, "its exit (the parent waits for it)"))
+        if not wanted:
+            task.waits_for.append(WaitEdge(0, 0, "no child left to wait for"))
+
+
+def _addr(hexaddr: str) -> str:
+    host, port = hexaddr.split(":")
+    if len(host) == 8:
+        ip = socket.inet_ntop(socket.AF_INET, bytes.fromhex(host)[::-1])
+    else:
+        raw = bytes.fromhex(host)
+        ip = socket.inet_ntop(
+            socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+        )
+    return f"{ip}:{int(port, 16)}"
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            out += [int(c) for c in _read(f"/proc/{pid}/task/{tid}/children", 65536).split()]
+    return out
+
+
+def _unix_peers(timeout_s: float = 0.2) -> dict[str, str]:
+    """inode -> peer inode of every connected unix socket, through sock_diag (empty if refused)."""
+    peers: dict[str, str] = {}
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)  # NETLINK_SOCK_DIAG
+    except OSError:
+        return peers
+    with sock:
+        sock.settimeout(timeout_s)
+        # unix_diag_req: family, protocol, pad, states, ino, show (UDIAG_SHOW_PEER), cookie
+        req = struct.pack("=BBHIII8x", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, 4)
+        header = struct.pack("=IHHII", 16 + len(req), 20, 0x301, 1, 0)  # SOCK_DIAG_BY_FAMILY
+        try:
+            sock.send(header + req)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                data = sock.recv(1 << 16)
+                offset = 0
+                while offset + 16 <= len(data):
+                    length, kind = struct.unpack_from("=IH", data, offset)
+                    if kind == 3 or length < 16:  # NLMSG_DONE
+                        return peers
+                    if kind == 2:  # NLMSG_ERROR
+                        return peers
+                    _parse_unix_msg(data[offset + 16 : offset + length], peers)
+                    offset += (length + 3) & ~3
+        except OSError:
+            pass
+    return peers
+
+
+def _parse_unix_msg(msg: bytes, peers: dict[str, str]) -> None:
+    if len(msg) < 16:
+        return
+    (inode,) = struct.unpack_from("=I", msg, 4)
+    offset = 16
+    while offset + 4 <= len(msg):
+        length, kind = struct.unpack_from("=HH", msg, offset)
+        if length < 4:
+            return
+        if kind == 2 and length >= 8:  # UNIX_DIAG_PEER
+            peers[str(inode)] = str(struct.unpack_from("=I", msg, offset + 4)[0])
+        offset += (length + 3) & ~3
+
+
+def _member(reader: _Reader, pid: int) -> Member:
+    stat = _stat(f"/proc/{pid}/stat")
+    if not stat:
+        return Member(pid, state="gone")
+    member = Member(pid, ppid=int(stat[1]), state=stat[0])
+    with contextlib.suppress(ValueError, IndexError):
+        member.cpu_ticks = int(stat[11]) + int(stat[12])
+    if member.state in ("Z", "X"):
+        with contextlib.suppress(ValueError, IndexError):
+            member.exit_code = int(stat[49])
+        return member
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return member
+    for tid in tids[:MAX_TASKS]:
+        if tid in reader.skip_tids:
+            continue
+        member.tasks.append(reader.task(pid, tid))
+    return member
+
+
+def read(
+    pids: Iterable[int], skip_tids: set[int] | None = None, budget_s: float = BUDGET_S
+) -> Evidence:
+    """What every thread of ``pids`` (and their zombie children) waits for, bounded by ``budget_s``.
+
+    ``skip_tids``: threads of the calling process that belong to the capture itself. Nothing is
+    signalled or traced; files that cannot be read leave their fields empty.
+    """
+    start = time.monotonic()
+    wanted = list(dict.fromkeys(pids))
+    reader = _Reader(wanted, skip_tids or set(), start + budget_s)
+    evidence = Evidence()
+    for pid in wanted:
+        evidence.members[pid] = _member(reader, pid)
+    # zombie children of members: a rank, a Pool worker, a DataLoader worker that is gone but
+    # whose exit status is still there to read
+    for pid in list(wanted):
+        for child in _children(pid):
+            if child not in evidence.members:
+                member = _member(reader, child)
+                if member.gone:
+                    evidence.members[child] = member
+    if reader.late():
+        evidence.notes.append(
+            f"wait-for graph: the {budget_s:.1f}s budget ran out; some objects were not resolved"
+        )
+    evidence.read_s = time.monotonic() - start
+    return evidence
+
+
+def state_word(letter: str) -> str:
+    """``stopped`` for ``T``: the words reports use for /proc states."""
+    return _STATES.get(letter, letter)
+
+
+# --- the flight recorder of ranks ----------------------------------------------------------------
+
+
+def request_collectives(pids: Iterable[int], dump_dir: str | None) -> list[int]:
+    """Ask every process with a flight-recorder listener for its entries; returns who was asked.
+
+    Opening the FIFO without blocking fails at once where nobody listens, so this never waits.
+    """
+    from ._hook import collectives_path, collectives_request_path
+
+    asked: list[int] = []
+    if dump_dir is None:
+        return asked
+    for pid in pids:
+        fifo = collectives_request_path(dump_dir, pid)
+        if not os.path.exists(fifo):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(collectives_path(dump_dir, pid))
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            continue  # no listener (ENXIO): not a rank, or its listener is gone
+        try:
+            os.write(fd, b"1")
+            asked.append(pid)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return asked
+
+
+def collect_collectives(
+    pids: list[int], dump_dir: str | None, timeout_s: float
+) -> dict[int, list[Collective] | str]:
+    """The entries each asked process wrote (or why not), waiting at most ``timeout_s``."""
+    import json
+
+    from ._hook import collectives_path
+
+    out: dict[int, list[Collective] | str] = {}
+    if dump_dir is None:
+        return out
+    deadline = time.monotonic() + timeout_s
+    waiting = list(pids)
+    while True:
+        for pid in list(waiting):
+            path = collectives_path(dump_dir, pid)
+            try:
+                with open(path) as f:
+                    doc = json.load(f)
+            except (OSError, ValueError):
+                continue
+            waiting.remove(pid)
+            if "error" in doc:
+                out[pid] = f"flight recorder: {doc['error']}"
+            else:
+                out[pid] = [c for c in map(_collective, doc.get("entries", [])) if c is not None]
+        if not waiting or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    for pid in waiting:
+        out[pid] = "flight recorder: no answer in time (the process may hold the GIL in C)"
+    return out
+
+
+def _collective(entry: dict[str, object]) -> Collective | None:
+    try:
+        seq = int(entry.get("collective_seq_id") or 0)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+    name = str(entry.get("profiling_name") or "?").split(":", 1)[-1]
+    group = entry.get("process_group")
+    sizes = entry.get("input_sizes")
+    shapes = (
+        [list(s) for s in sizes if isinstance(s, (list, tuple))] if isinstance(sizes, list) else []
+    )
+    return Collective(
+        seq=seq,
+        name=name,
+        group=str(group[1] if isinstance(group, (list, tuple)) and len(group) > 1 else group or ""),
+        sizes=shapes,
+        completed=bool(entry.get("retired")) or entry.get("state") == "completed",
+    )
+
+
+# --- Python threads to kernel threads ------------------------------------------------------------
+
+#: A thread's stack lies below its pthread descriptor; glibc's default stack is 8 MiB.
+_MAX_STACK = 64 << 20
+
+
+def match_threads(pid: int, threads: list[ThreadStack], tasks: list[TaskWait]) -> None:
+    """Tell each kernel thread which Python thread it runs (sets ``TaskWait.python_thread``).
+
+    A Python thread's ident is its ``pthread_t``, the address of the descriptor glibc puts at the
+    top of the thread's stack: the blocked thread's stack pointer lies just below it. The main
+    thread is the task whose id is the pid.
+    """
+    by_tid = {t.tid: t for t in tasks}
+    idents: dict[int, ThreadStack] = {}
+    for thread in threads:
+        if thread.tid and thread.tid in by_tid:
+            by_tid[thread.tid].python_thread = thread.ident
+            continue
+        with contextlib.suppress(ValueError):
+            idents[int(thread.ident, 16)] = thread
+    taken: set[int] = set()
+    for task in tasks:
+        if task.python_thread or task.tid == pid or not task.sp:
+            continue
+        above = [
+            (i - task.sp, i) for i in idents if 0 < i - task.sp < _MAX_STACK and i not in taken
+        ]
+        if above:
+            _, ident = min(above)
+            taken.add(ident)
+            task.python_thread = idents[ident].ident
+    main_task = by_tid.get(pid)
+    left = [t for i, t in idents.items() if i not in taken]
+    if main_task is not None and not main_task.python_thread:
+        main = [t for t in left if t.current] if len(left) > 1 else left
+        if len(main) == 1:
+            main_task.python_thread = main[0].ident
+
+
+# --- into the report -----------------------------------------------------------------------------
+
+
+def attach(
+    reports: list[ProcessReport],
+    evidence: Evidence,
+    collectives: dict[int, list[Collective] | str] | None = None,
+) -> list[str]:
+    """Put the evidence into the process reports (and a report per zombie child); returns notes."""
+    notes = list(evidence.notes)
+    known = {r.pid for r in reports}
+    for report in reports:
+        member = evidence.members.get(report.pid)
+        if member is None:
+            continue
+        report.tasks = member.tasks
+        match_threads(report.pid, report.threads, report.tasks)
+        if member.stopped and not report.state.startswith("stopped"):
+            report.state = "stopped (SIGSTOP)"
+    for member in evidence.members.values():
+        if member.pid in known or not member.gone:
+            continue
+        reports.append(
+            ProcessReport(
+                pid=member.pid,
+                ppid=member.ppid,
+                role="",
+                cmdline="",
+                state="zombie",
+                cpu_s=member.cpu_ticks / _TICKS,
+                cpu_delta_s=0.0,
+                rss_bytes=0,
+                num_threads=0,
+                age_s=0.0,
+                dump_status="gone: exited before the deadline",
+                exit_status=describe_exit(member.exit_code),
+            )
+        )
+    for report in reports:
+        got = (collectives or {}).get(report.pid)
+        if isinstance(got, str):
+            notes.append(f"pid {report.pid}: {got}")
+        elif got:
+            report.collectives = got[-MAX_COLLECTIVES:]
+    return notes
+
+
+#: Flight-recorder entries kept per rank (the newest).
+MAX_COLLECTIVES = 8
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
