@@ -28,6 +28,16 @@ def role_path(dump_dir: str, pid: int) -> str:
     return os.path.join(dump_dir, f"{pid}.role")
 
 
+def collectives_request_path(dump_dir: str, pid: int) -> str:
+    """The FIFO a rank's flight-recorder listener waits on (one byte asks for a dump)."""
+    return os.path.join(dump_dir, f"{pid}.fr")
+
+
+def collectives_path(dump_dir: str, pid: int) -> str:
+    """The JSON file a rank writes its flight-recorder entries to, on request."""
+    return os.path.join(dump_dir, f"{pid}.collectives.json")
+
+
 def set_role(role: str) -> None:
     """Record this process's role for hang reports (no-op when no dump directory is set)."""
     dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
@@ -46,6 +56,8 @@ class _Registration:
     file: TextIO | None = None
     pid: int = 0  # the process the handler was registered in (a fork child re-registers)
     fork_hook_installed = False
+    finder_installed = False
+    listener_pid = 0  # the process whose flight-recorder listener runs (not inherited by fork)
 
 
 def guarded_env() -> dict[str, str]:
@@ -97,7 +109,148 @@ def install(dump_dir: str | None = None) -> bool:
     if not _Registration.fork_hook_installed:
         os.register_at_fork(after_in_child=_register)
         _Registration.fork_hook_installed = True
+    try:  # noqa: SIM105 - ranks' collectives are a bonus: never break the start-up
+        _install_finder()
+    except Exception:
+        pass
     return True
+
+
+#: Flight-recorder fields kept per entry (the rest, such as frames, stays in the process).
+_FR_KEYS = (
+    "collective_seq_id",
+    "profiling_name",
+    "input_sizes",
+    "state",
+    "retired",
+    "process_group",
+)
+
+
+def _dump_collectives(out_path: str) -> None:
+    import json
+    import pickle
+
+    try:
+        import torch
+
+        raw = torch._C._distributed_c10d._dump_fr_trace()  # type: ignore[attr-defined,unused-ignore]
+        entries = pickle.loads(raw).get("entries", [])
+        doc: dict[str, object] = {"entries": [{k: e.get(k) for k in _FR_KEYS} for e in entries]}
+    except Exception as exc:  # stacks must still work: the capture reads the error instead
+        doc = {"error": f"{type(exc).__name__}: {exc}"}
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as out:
+        json.dump(doc, out, default=str)
+    os.replace(tmp, out_path)
+
+
+def _serve_collectives(fifo: str, out_path: str) -> None:
+    while True:
+        try:
+            fd = os.open(fifo, os.O_RDONLY)  # blocks until the capture opens the other end
+            try:
+                os.read(fd, 64)
+            finally:
+                os.close(fd)
+            _dump_collectives(out_path)
+        except Exception:
+            return
+
+
+def start_collectives_listener() -> bool:
+    """Answer flight-recorder requests from a daemon thread of this process (ranks only).
+
+    A Python signal handler would not run while the rank's main thread waits in C++; this thread
+    blocks on a FIFO in the dump directory and, when the capture writes to it, writes the
+    entries of ``torch._C._distributed_c10d._dump_fr_trace()`` next to the stack dump.
+    Started once per process, after ``init_process_group``; returns False when there is no dump
+    directory or it cannot start.
+    """
+    dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
+    if not dump_dir or not os.path.isdir(dump_dir) or _Registration.listener_pid == os.getpid():
+        return False
+    pid = os.getpid()
+    fifo = collectives_request_path(dump_dir, pid)
+    try:
+        if os.path.exists(fifo):
+            os.unlink(fifo)  # left by an earlier process with this pid
+        os.mkfifo(fifo, 0o600)
+    except OSError:
+        return False
+    import threading
+
+    thread = threading.Thread(
+        target=_serve_collectives,
+        args=(fifo, collectives_path(dump_dir, pid)),
+        name="torch-hang flight recorder",
+        daemon=True,
+    )
+    thread.start()
+    _Registration.listener_pid = pid
+    return True
+
+
+def _wrap_init(module: object) -> None:
+    init = getattr(module, "init_process_group", None)
+    if init is None or getattr(init, "_torch_hang_wrapped", False):
+        return
+    import functools
+
+    @functools.wraps(init)
+    def init_process_group(*args: object, **kwargs: object) -> object:
+        result = init(*args, **kwargs)
+        start_collectives_listener()
+        return result
+
+    init_process_group._torch_hang_wrapped = True  # type: ignore[attr-defined]
+    module.init_process_group = init_process_group  # type: ignore[attr-defined]
+    import sys
+
+    package = sys.modules.get("torch.distributed")
+    if package is not None and getattr(package, "init_process_group", None) is init:
+        package.init_process_group = init_process_group  # type: ignore[attr-defined]
+
+
+class _C10dFinder:
+    """Import hook: wraps ``init_process_group`` when torch.distributed's c10d module loads."""
+
+    name = "torch.distributed.distributed_c10d"
+
+    @classmethod
+    def find_spec(cls, fullname: str, path: object = None, target: object = None) -> object:
+        if fullname != cls.name:
+            return None
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+        loader = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if spec is None or exec_module is None:
+            return spec
+
+        def exec_and_wrap(module: object) -> None:
+            exec_module(module)
+            try:  # noqa: SIM105
+                _wrap_init(module)
+            except Exception:
+                pass
+
+        loader.exec_module = exec_and_wrap  # type: ignore[union-attr]
+        return spec
+
+
+def _install_finder() -> None:
+    import sys
+
+    if _Registration.finder_installed:
+        return
+    _Registration.finder_installed = True
+    loaded = sys.modules.get(_C10dFinder.name)
+    if loaded is not None:
+        _wrap_init(loaded)  # torch came first (the zygote's preload): wrap in place
+    else:
+        sys.meta_path.insert(0, _C10dFinder)  # type: ignore[arg-type]
 
 
 def uninstall() -> None:

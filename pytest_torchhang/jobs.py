@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from . import _hook
+
 
 @dataclass
 class LoaderStats:
@@ -104,6 +106,7 @@ def rank_main(
         world_size=world_size,
         timeout=timedelta(seconds=pg_timeout_s),
     )
+    _hook.start_collectives_listener()  # no-op where the import hook already started it
     result = fn(rank, world_size, *args, **kwargs)
     dist.destroy_process_group()
     return result

@@ -18,6 +18,58 @@ MAX_THREADS = 40
 
 
 @dataclass
+class WaitEdge:
+    """One edge of the wait-for graph: a thread waits for process ``pid`` through ``via``.
+
+    ``pid`` 0: no process can end the wait; -1: something outside the tree (a file, a timer);
+    ``tid`` 0: any thread of ``pid``.
+    """
+
+    pid: int
+    tid: int = 0
+    via: str = ""
+
+
+@dataclass
+class TaskWait:
+    """One kernel thread at the deadline, read from /proc before anything was signalled."""
+
+    tid: int
+    name: str = ""  # /proc/PID/task/TID/comm
+    state: str = "?"  # the /proc state letter: R, S, D, T (stopped), Z, ...
+    call: str = ""  # the blocked system call, "running", or "" when unreadable
+    args: list[int] = field(default_factory=list)
+    wchan: str = ""
+    obj: str = ""  # the object behind the call: "fd 3: pipe:[307072]", "file lock on /tmp/x", ...
+    waits_for: list[WaitEdge] = field(default_factory=list)
+    sp: int = 0  # stack pointer (matches the thread to its Python stack)
+    python_thread: str = ""  # ident of the Python thread this is, when known
+
+    def summary(self) -> str:
+        """``read(fd 3: pipe:[307072]) [anon_pipe_read]``, or ``running``."""
+        if self.call in ("", "running"):
+            return self.call or "unknown (unreadable)"
+        wchan = f" [{self.wchan}]" if self.wchan else ""
+        return f"{self.call}({self.obj}){wchan}" if self.obj else f"{self.call}{wchan}"
+
+
+@dataclass
+class Collective:
+    """One flight-recorder entry of a rank: a collective it started, finished or not."""
+
+    seq: int  # collective_seq_id within its process group
+    name: str  # "all_reduce", "barrier", ...
+    group: str = ""
+    sizes: list[list[int]] = field(default_factory=list)
+    completed: bool = False
+
+    def label(self) -> str:
+        """``#12 all_reduce([1024])``."""
+        sizes = ", ".join(str(s) for s in self.sizes)
+        return f"#{self.seq} {self.name}" + (f"({sizes})" if sizes else "")
+
+
+@dataclass
 class ProcessReport:
     """One process of the tree as it was at the deadline."""
 
@@ -37,6 +89,9 @@ class ProcessReport:
     stuck_at: str = ""
     native: str = ""  # native stacks (--torch-hang-native), as the tool printed them
     busy: bool = False  # computing or spinning rather than waiting (set by diagnosis)
+    tasks: list[TaskWait] = field(default_factory=list)  # every kernel thread, from /proc
+    collectives: list[Collective] = field(default_factory=list)  # ranks: the flight recorder
+    exit_status: str = ""  # members already gone (zombies): "exited with code 1", ...
 
 
 @dataclass
@@ -45,6 +100,8 @@ class Hint:
 
     text: str
     based_on: list[str] = field(default_factory=list)
+    rule: str = ""  # the rule that found it (the corpus test counts right / wrong per rule)
+    pids: list[int] = field(default_factory=list)  # the processes it explains
 
 
 @dataclass
@@ -82,8 +139,9 @@ class HangReport:
         # block is capped, and blocks that no longer fit are counted instead of shown.
         budget = MAX_TEXT_CHARS - len(head) - len(tail) - 300
         blocks, left_out = [], 0
+        roles = {p.pid: p.role for p in self.processes}
         for proc in self.processes:
-            block = _cap("\n".join(_process_text(proc)), MAX_BLOCK_CHARS)
+            block = _cap("\n".join(_process_text(proc, roles)), MAX_BLOCK_CHARS)
             if len(block) + 1 <= budget:
                 blocks.append(block)
                 budget -= len(block) + 1
@@ -131,7 +189,45 @@ def _cap(block: str, limit: int) -> str:
     return block[:cut] + f"\n        ... {hidden} more line(s) of this process left out\n"
 
 
-def _process_text(proc: ProcessReport) -> list[str]:
+def edge_text(edge: WaitEdge, roles: dict[int, str]) -> str:
+    """``pid 123 [DataLoader worker 0/2] (pipe:[5]: holds its write end)``."""
+    if edge.pid == 0:
+        return f"nobody ({edge.via})"
+    if edge.pid < 0:
+        return f"outside the tree ({edge.via})"
+    role = roles.get(edge.pid)
+    who = f"pid {edge.pid}" + (f" [{role}]" if role else "")
+    if edge.tid and edge.tid != edge.pid:
+        who += f" thread {edge.tid}"
+    return f"{who} ({edge.via})"
+
+
+#: Edges shown per thread in the text (the JSON keeps all).
+MAX_EDGES = 6
+
+
+def _task_lines(task: TaskWait, roles: dict[int, str], indent: str) -> list[str]:
+    out = [f"{indent}blocked in {task.summary()}" if task.call != "running" else f"{indent}running"]
+    edges = [e for e in task.waits_for if not e.tid]  # thread-to-thread edges: too many to list
+    others = len([e for e in task.waits_for if e.tid])
+    for edge in edges[:MAX_EDGES]:
+        out.append(f"{indent}  waits for {edge_text(edge, roles)}")
+    if len(edges) > MAX_EDGES:
+        out.append(f"{indent}  ... and {len(edges) - MAX_EDGES} more")
+    if others:
+        out.append(f"{indent}  waits for one of {others} other thread(s) of this process")
+    return out
+
+
+def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> list[str]:
+    roles = roles or {}
+    if proc.exit_status:
+        return [
+            f"--- process {proc.pid} [{proc.role}] parent {proc.ppid}, {proc.state}: "
+            f"{proc.exit_status}, not reaped yet",
+            "",
+        ]
+    tasks = {t.python_thread: t for t in proc.tasks if t.python_thread}
     mib = proc.rss_bytes / (1 << 20)
     busy = f", +{proc.cpu_delta_s:.2f}s CPU during capture (busy)" if proc.busy else ""
     out = [
@@ -148,10 +244,12 @@ def _process_text(proc: ProcessReport) -> list[str]:
         words += [f'"{thread.name}"'] if thread.name else []
         words += [f"[{role}]"] if role else []
         out.append(f"    {' '.join(words)} (most recent call first):")
+        if thread.ident in tasks:
+            out.extend(_task_lines(tasks[thread.ident], roles, "      "))
         if not thread.frames:
             out.append("        <no Python frame>")
         for frame in thread.frames:
-            if frame.filename == "<pytest>":
+            if frame.filename in ("<pytest>", "<pytest-torchhang>"):
                 out.append(f"        {frame.name}")
                 continue
             out.append(f'        File "{frame.filename}", line {frame.lineno}, in {frame.name}')
@@ -161,6 +259,25 @@ def _process_text(proc: ProcessReport) -> list[str]:
             out.append("        ...")
     if len(proc.threads) > MAX_THREADS:
         out.append(f"    ... {len(proc.threads) - MAX_THREADS} more thread(s) not shown")
+    native = [t for t in proc.tasks if not t.python_thread and t.waits_for]
+    if native and proc.threads:
+        out.append(
+            f"    threads without a Python stack that wait on other processes ({len(native)}):"
+        )
+        for task in native[:MAX_THREADS]:
+            out.append(f'      thread {task.tid} "{task.name}":')
+            out.extend(_task_lines(task, roles, "        "))
+    elif not proc.threads and proc.tasks:
+        for task in proc.tasks[:MAX_THREADS]:
+            out.append(f'    thread {task.tid} "{task.name}" ({task.state}):')
+            out.extend(_task_lines(task, roles, "      "))
+    if proc.collectives:
+        out.append("    collectives (flight recorder, oldest first):")
+        out.extend(
+            f"        {c.label()} {'completed' if c.completed else 'NOT COMPLETED'}"
+            + (f" [{c.group}]" if c.group else "")
+            for c in proc.collectives
+        )
     if proc.native:
         out.append("    stacks read with pystack/py-spy (most recent call last):")
         out.extend(f"        {line}" for line in proc.native.splitlines())

@@ -42,6 +42,7 @@ class ThreadStack:
     current: bool = False
     frames: list[Frame] = field(default_factory=list)
     truncated: bool = False
+    tid: int = 0  # the kernel thread id, when known (this process's own threads)
 
 
 @dataclass
@@ -97,16 +98,44 @@ def trim_pytest_frames(stack: ThreadStack) -> None:
             return
 
 
+#: The plugin's own frames at the bottom of a child's stacks (how the child was started).
+_PLUGIN_BOTTOM = (
+    "pytest_torchhang/zygote.py",
+    "pytest_torchhang/child.py",
+    "pytest_torchhang/jobs.py",
+    "pytest_torchhang/runner.py",
+    "/runpy.py",
+)
+PLUGIN_CUT = "<pytest-torchhang>"
+
+
+def trim_plugin_frames(stack: ThreadStack) -> None:
+    """Cut the plugin's own frames (zygote, child, jobs, runpy) below a child's user code."""
+    frames = stack.frames
+    cut = len(frames)
+    while cut > 0 and frames[cut - 1].filename.replace(os.sep, "/").endswith(_PLUGIN_BOTTOM):
+        cut -= 1
+    if 0 < cut < len(frames):
+        stack.frames = [
+            *frames[:cut],
+            Frame(PLUGIN_CUT, 0, "... pytest-torchhang's own frames cut"),
+        ]
+
+
 def in_process_threads(skip_idents: set[int] | None = None) -> list[ThreadStack]:
     """Stacks of this process's threads, with their names, from ``sys._current_frames``."""
     names = {t.ident: t.name for t in threading.enumerate()}
+    native = {t.ident: t.native_id or 0 for t in threading.enumerate()}
     main_ident = threading.main_thread().ident
     out: list[ThreadStack] = []
     for ident, top in sys._current_frames().items():
         if skip_idents and ident in skip_idents:
             continue
         stack = ThreadStack(
-            ident=hex(ident), name=names.get(ident, ""), current=ident == main_ident
+            ident=hex(ident),
+            name=names.get(ident, ""),
+            current=ident == main_ident,
+            tid=native.get(ident, 0),
         )
         frame: FrameType | None = top
         while frame is not None:
