@@ -3,22 +3,84 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
 
-from pytest_torchhang.proctree import shm_entries
-
 pytest_plugins = ["pytester"]
 
 TAG_ENV = "TORCHHANG_TEST_TAG"
+SHM_DIR = Path("/dev/shm")
 _SHM_PREFIXES = ("sem.mp-", "torch_", "psm_")
+#: Runs the rest of the command line with /dev/shm replaced by ``$0`` (a directory on the same
+#: tmpfs), in a mount namespace of its own: the bind is invisible to every other process.
+_PRIVATE_SHM = 'mount --bind "$0" /dev/shm && exec "$@"'
+
+
+_HOGS = pytest.StashKey[list[subprocess.Popen[bytes]]]()
+_HOG = "while True: pass"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-hogs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Keep N CPU-bound processes running beside the suite, as on a busy CI runner "
+        "(tox -e stress runs it with 2)",
+    )
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    hogs = config.getoption("cpu_hogs")
+    if hogs < 0:
+        raise pytest.UsageError(f"--cpu-hogs must be a number of processes >= 0, got {hogs}")
+    if hasattr(config, "workerinput"):  # pytest-xdist: the controller runs them, once
+        return
+    config.stash[_HOGS] = [
+        subprocess.Popen([sys.executable, "-c", _HOG], preexec_fn=_die_with_parent)
+        for _ in range(hogs)
+    ]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for hog in config.stash.get(_HOGS, []):
+        hog.kill()
+        hog.wait()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    hogs = config.stash.get(_HOGS, [])
+    shm = (
+        "private per inner session"
+        if private_shm_supported()
+        else "shared (unopened new entries count)"
+    )
+    lines = [f"inner sessions: /dev/shm {shm}"]
+    if hogs:
+        lines.append(
+            f"cpu hogs: {len(hogs)} running beside the suite (pids {', '.join(str(h.pid) for h in hogs)})"
+        )
+    return lines
 
 
 def tagged_processes(tag: str) -> list[psutil.Process]:
@@ -29,6 +91,89 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
             if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(TAG_ENV) == tag:
                 found.append(proc)
     return found
+
+
+@functools.cache
+def private_shm_supported() -> bool:
+    """Whether an inner session can get a /dev/shm of its own (root, unshare and mount)."""
+    if not SHM_DIR.is_dir() or not (shutil.which("unshare") and shutil.which("mount")):
+        return False
+    probe = tempfile.mkdtemp(prefix="torchhang-tests-probe-", dir=SHM_DIR)
+    try:
+        command = ["unshare", "--mount", "sh", "-c", _PRIVATE_SHM, probe, "touch", "/dev/shm/x"]
+        done = subprocess.run(command, capture_output=True, timeout=30)
+        return done.returncode == 0 and os.listdir(probe) == ["x"]
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+def _shm_names(directory: Path) -> set[str]:
+    try:
+        return {n for n in os.listdir(directory) if n.startswith(_SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def _open_by_anyone(directory: Path, names: set[str]) -> set[str]:
+    """Which of ``names`` a live process has open or mapped (matched by inode, as glibc's
+    sem_open maps a temporary name and then renames it)."""
+    by_inode = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            by_inode[(directory / name).stat().st_ino] = name
+    used = set()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                with contextlib.suppress(OSError):
+                    inode = os.stat(f"/proc/{proc.pid}/fd/{fd}").st_ino
+                    if inode in by_inode:
+                        used.add(by_inode[inode])
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    inode = int(fields[4]) if len(fields) == 6 else 0
+                    if "/dev/shm" in fields[-1] and inode in by_inode:
+                        used.add(by_inode[inode])
+    return used
+
+
+class ShmScope:
+    """The /dev/shm entries one inner session created.
+
+    Where the machine allows it (root), the session runs in a mount namespace whose /dev/shm is
+    a fresh directory of the real one: whatever appears there is the session's, whatever else
+    runs on the machine (a parallel pytest-xdist worker, another program). Elsewhere, new entries
+    of the machine-wide /dev/shm that no live process has open are counted: a leak is by
+    definition open by nobody, while another program's live segment is open by that program.
+    """
+
+    def __init__(self, tag: str) -> None:
+        self.private = private_shm_supported()
+        if self.private:
+            self.directory = Path(tempfile.mkdtemp(prefix=f"torchhang-tests-{tag}-", dir=SHM_DIR))
+            self.before: set[str] = set()
+        else:
+            self.directory = SHM_DIR
+            self.before = _shm_names(SHM_DIR)
+
+    def command(self, *argv: str) -> tuple[str, ...]:
+        """``argv`` run with this scope's /dev/shm."""
+        if not self.private:
+            return argv
+        return ("unshare", "--mount", "sh", "-c", _PRIVATE_SHM, str(self.directory), *argv)
+
+    def new_entries(self) -> list[str]:
+        new = _shm_names(self.directory) - self.before
+        if new and not self.private:
+            new -= _open_by_anyone(self.directory, new)
+        return sorted(new)
+
+    def close(self) -> None:
+        if self.private:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 @dataclass
@@ -77,42 +222,39 @@ class GuardedRunner:
     ) -> Session:
         tag = uuid.uuid4().hex
         self.monkeypatch.setenv(TAG_ENV, tag)
-        shm_before = shm_entries()
+        shm = ShmScope(tag)
         extra = [f"--torch-hang-timeout={timeout}"] if timeout is not None else []
+        # as runpytest_subprocess does, plus the private /dev/shm and stdin (a debugger needs it)
+        basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=self.pytester.path)
+        command = shm.command(
+            sys.executable, "-mpytest", f"--basetemp={basetemp}", "-p", "no:cacheprovider"
+        )
         start = time.monotonic()
-        if stdin is None:
-            result = self.pytester.runpytest_subprocess(
-                "-p", "no:cacheprovider", *extra, *args, timeout=wait_s
-            )
-        else:  # runpytest_subprocess cannot feed stdin (a debugger session needs it)
-            basetemp = self.pytester.path / "basetemp-stdin"
+        try:
             result = self.pytester.run(
-                sys.executable,
-                "-mpytest",
-                f"--basetemp={basetemp}",
-                "-p",
-                "no:cacheprovider",
+                *command,
                 *extra,
                 *args,
                 timeout=wait_s,
-                stdin=stdin,
+                stdin=self.pytester.CLOSE_STDIN if stdin is None else stdin,
             )
-        wall = time.monotonic() - start
-        # Session helpers (resource_tracker, forkserver) exit by themselves once pytest is gone:
-        # give them a moment, then anything of this session still alive is a leak.
-        deadline = time.monotonic() + grace_s
-        while (left := tagged_processes(tag)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        while time.monotonic() < deadline:
-            new_shm = sorted(n for n in shm_entries() - shm_before if n.startswith(_SHM_PREFIXES))
-            if not new_shm:
-                break
-            time.sleep(0.1)
-        new_shm = sorted(n for n in shm_entries() - shm_before if n.startswith(_SHM_PREFIXES))
-        leftovers = [f"{p.pid} {' '.join(p.cmdline())}" for p in left if p.is_running()]
-        for proc in left:  # never let one test's leak poison the next
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+            wall = time.monotonic() - start
+            # Session helpers (resource_tracker, forkserver) exit by themselves once pytest is
+            # gone: give them a moment, then anything of this session still alive is a leak.
+            deadline = time.monotonic() + grace_s
+            while (left := tagged_processes(tag)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            while (new_shm := shm.new_entries()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            leftovers = []
+            for proc in left:
+                with contextlib.suppress(psutil.Error):
+                    leftovers.append(f"{proc.pid} {' '.join(proc.cmdline())}")
+        finally:
+            for proc in tagged_processes(tag):  # never let one test's leak poison the next
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            shm.close()
         return Session(result, wall, leftovers, new_shm)
 
 
