@@ -69,6 +69,23 @@ def _has_children() -> bool:
         return True  # cannot tell: look the slow way
 
 
+def _apply_environment(env: dict[str, str]) -> None:
+    """Make ``env`` (the calling test's environment) this process's whole environment.
+
+    A zygote child inherited the environment of the test that started the zygote; it must see
+    its own test's instead, as a spawned child would. Thread-count variables were read when
+    torch was imported in the zygote, so a changed ``OMP_NUM_THREADS`` is applied here too.
+    """
+    threads_before = os.environ.get("OMP_NUM_THREADS")
+    os.environ.clear()
+    os.environ.update(env)
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0 and threads != threads_before:
+        with contextlib.suppress(Exception):
+            torch.set_num_threads(int(threads))
+
+
 def _load_main(path: str) -> None:
     """Make the parent's ``__main__`` functions unpicklable here, as multiprocessing's spawn does."""
     import runpy
@@ -95,11 +112,7 @@ def run_request(request_path: str) -> int:
     crash = open(crash_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=crash, all_threads=True)
     try:  # from here on every error reaches the test as this child's exception
-        for key, value in env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _apply_environment(env)
         if cwd:
             with contextlib.suppress(OSError):
                 os.chdir(cwd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import CodeType, TracebackType
 from typing import TYPE_CHECKING
 
 import pytest
@@ -57,3 +58,69 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return "\n\n--- traceback in the child process ---\n" + self.text.rstrip()
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` on Python 3.11+; on 3.10 the same ``__notes__`` list, which
+    pytest shows there through the ``exceptiongroup`` backport it depends on."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
+
+
+def _line_at(code: CodeType, lasti: int) -> int:
+    """The source line of the last instruction at or before ``lasti`` that has one."""
+    line = code.co_firstlineno
+    for start, _end, number in code.co_lines():
+        if start > lasti:
+            break
+        if number is not None:
+            line = number
+    return line
+
+
+def _with_line_numbers(tb: TracebackType) -> TracebackType:
+    entries = []
+    walk: TracebackType | None = tb
+    while walk is not None:
+        entries.append(walk)
+        walk = walk.tb_next
+    if all(entry.tb_lineno is not None for entry in entries):
+        return tb
+    rebuilt: TracebackType | None = None
+    for entry in reversed(entries):
+        line = entry.tb_lineno
+        if line is None:
+            line = _line_at(entry.tb_frame.f_code, entry.tb_lasti)
+        rebuilt = TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, line)
+    assert rebuilt is not None
+    return rebuilt
+
+
+def make_renderable(exc: BaseException) -> bool:
+    """Give every traceback entry of ``exc`` (its causes, contexts and group members too) a
+    line number; returns whether anything changed.
+
+    An interrupt can land on an instruction that has no line of its own (Python 3.11+ does
+    that), and its traceback entry then says ``tb_lineno is None``: pytest cannot render that
+    and ends the session with an INTERNALERROR. Such an entry gets the line of the nearest
+    instruction before it that has one.
+    """
+    changed = False
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        tb = current.__traceback__
+        if tb is not None:
+            fixed = _with_line_numbers(tb)
+            if fixed is not tb:
+                current.__traceback__ = fixed
+                changed = True
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+        todo.extend(getattr(current, "exceptions", ()))
+    return changed

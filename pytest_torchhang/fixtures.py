@@ -12,6 +12,7 @@ from typing import Any
 
 from . import devices, jobs, runner
 from .child import LINGER_ENV
+from .exceptions import add_note
 from .jobs import LoaderStats
 
 #: The bound of fixture calls when neither the call nor the test has a timeout.
@@ -267,7 +268,7 @@ class TorchHang:
             try:
                 runner.raise_outcome(the_runner, first)
             except BaseException as exc:
-                exc.add_note(note)
+                add_note(exc, note)
                 raise
         if left <= 0 and any(the_runner.is_running(c) for c in children):
             report = runner.hang_report(

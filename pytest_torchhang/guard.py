@@ -8,28 +8,39 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
 import psutil
 
-from . import diagnose
+from . import diagnose, waits
 from ._hook import role_path
 from .native import native_stacks, tool_available
 from .proctree import (
+    Births,
     KillResult,
     ProcessId,
     cleanup_shm,
-    descendants,
     helper_kind,
     is_zombie,
     kill_tree,
+    split_descendants,
 )
 from .report import HangReport, ProcessReport
 
 __all__ = ["GuardTarget", "HangReport", "capture", "kill", "tree"]
-from .stacks import Dump, in_process_threads, request_dumps, trim_pytest_frames
+from .stacks import (
+    Dump,
+    in_process_threads,
+    request_dumps,
+    trim_plugin_frames,
+    trim_pytest_frames,
+)
 
+#: How processes that the hung test did not start are shown: never signalled, never killed.
+CONTEXT_ROLE = "started before this test"
+CONTEXT_STATUS = "context only: it was running before this test began, so it is neither signalled nor killed"
 #: Environment variables read from each process (roles of ranks).
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
 
@@ -44,7 +55,7 @@ class GuardTarget:
     dump_dir: str | None
     started: float = field(default_factory=time.monotonic)
     exclude: set[int] = field(default_factory=set)
-    shm_baseline: set[str] = field(default_factory=set)
+    shm_since: float = 0.0  # wall time the test began: /dev/shm segments younger are its own
     root_in_process: bool = True  # the root is this very process: read its stacks directly
     kill_root: bool = False
     root_role: str = "pytest"
@@ -54,6 +65,9 @@ class GuardTarget:
     #: root's descendants; the root is then only the process the report is written for.
     roots: list[int] | None = None
     native: bool = False  # add native stacks (pystack / py-spy) where installed and permitted
+    #: The root's descendants when the test began: they, and what they start, are reported for
+    #: context and never signalled (a session fixture's server is not the hung test's).
+    before: Births | None = None
 
 
 def _cpu(proc: psutil.Process) -> float:
@@ -113,17 +127,41 @@ def _facts(proc: psutil.Process, now: float, dump: Dump, cpu_before: float) -> P
     )
 
 
+def _with_dump(
+    proc: psutil.Process, report: ProcessReport, dump: Dump, cpu_before: float, own: set[int] | None
+) -> ProcessReport:
+    """Facts taken before the dump, completed with its stacks and the CPU used meanwhile."""
+    report.dump_status = dump.status
+    report.threads = dump.threads
+    if dump.was_stopped:
+        report.state = "stopped (SIGSTOP)"
+    cpu = waits.cpu_s(proc.pid, own) if own is not None else _cpu(proc)
+    if cpu:  # 0.0: gone since the facts were read; keep what was read then
+        report.cpu_s = cpu
+        report.cpu_delta_s = max(cpu - cpu_before, 0.0)
+    return report
+
+
 def tree(target: GuardTarget) -> list[psutil.Process]:
-    """The processes a target covers, the root (or the roots) first."""
+    """The processes a target owns, the root (or the roots) first."""
+    return _tree(target)[0]
+
+
+def _tree(target: GuardTarget) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """(owned, context): the target's processes, and those that were there before it began."""
     procs: list[psutil.Process] = []
+    context: list[psutil.Process] = []
     for root in target.roots if target.roots is not None else [target.root_pid]:
         with contextlib.suppress(psutil.Error):
             procs.append(psutil.Process(root))
-            procs.extend(descendants(root, target.exclude))
+            owned, older = split_descendants(root, target.exclude, target.before)
+            procs.extend(owned)
+            context.extend(older)
     seen: set[int] = set()
     unique = [p for p in procs if not (p.pid in seen or seen.add(p.pid))]  # type: ignore[func-returns-value]
     # zombies wait for nothing: they are a parent's unfinished business, not part of a hang
-    return [p for p in unique if p.pid == target.root_pid or not is_zombie(p)]
+    live = [p for p in unique if p.pid == target.root_pid or not is_zombie(p)]
+    return live, [p for p in context if p.pid not in seen and not is_zombie(p)]
 
 
 def _roles(dump_dir: str | None, pids: list[int]) -> dict[int, str]:
@@ -140,8 +178,17 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     """Snapshot the tree and take every process's stacks; kills nothing."""
     t0 = time.monotonic()
     elapsed = t0 - target.started  # when the hang was declared, whatever the capture costs
-    procs = tree(target)
+    procs, context = _tree(target)
     cpu_before = {p.pid: _cpu(p) for p in procs}
+    # The kernel's evidence and every process's facts first: asking for stacks signals and
+    # continues stopped processes, which may then move on, or exit.
+    own = _capture_tids(skip_threads)
+    if target.root_in_process and target.roots is None:
+        cpu_before[target.root_pid] = waits.cpu_s(target.root_pid, own)  # not the capture's own
+    evidence = waits.read([p.pid for p in procs], own)
+    asked = waits.request_collectives([p.pid for p in procs], target.dump_dir)
+    now = time.time()
+    facts = {p.pid: _facts(p, now, Dump(""), cpu_before.get(p.pid, 0.0)) for p in procs}
     idents: list[ProcessId] = []
     for proc in procs:
         with contextlib.suppress(psutil.Error):
@@ -157,25 +204,30 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     for dump in dumps.values():
         for thread in dump.threads:
             trim_pytest_frames(thread)
+            trim_plugin_frames(thread)
     time.sleep(max(0.0, 0.1 - (time.monotonic() - t0)))  # a CPU sample needs a little time
-    now = time.time()
     reports = [
-        _facts(
+        _with_dump(
             p,
-            now,
+            facts[p.pid],
             dumps.get(p.pid, Dump("gone before its stack could be taken")),
             cpu_before.get(p.pid, 0.0),
+            own if p.pid == os.getpid() else None,
         )
         for p in procs
     ]
     env = {p.pid: _environ(p) for p in procs if p.pid != target.root_pid}
+    fr_wait = max(0.2, target.capture_budget_s - (time.monotonic() - t0))
+    wait_notes = waits.attach(
+        reports, evidence, waits.collect_collectives(asked, target.dump_dir, fr_wait)
+    )
     stated = _roles(target.dump_dir, [r.pid for r in reports])
     for report_ in reports:
         report_.role = stated.get(report_.pid, report_.role)
     diagnose.label_roles(reports, target.root_pid, env, target.root_role)
-    notes: list[str] = []
+    notes: list[str] = wait_notes
     if target.native:
-        notes = _add_native(target, reports)
+        notes += _add_native(target, reports)
     else:
         _read_from_outside(reports)
     report = HangReport(
@@ -193,8 +245,28 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         processes=reports,
         notes=notes,
     )
+    report.processes += _context_facts(context, now)
     report.capture_s = time.monotonic() - t0
     return report
+
+
+def _context_facts(context: list[psutil.Process], now: float) -> list[ProcessReport]:
+    """Facts (never stacks: no signal is sent) of processes that were there before the test."""
+    out = []
+    for proc in context:
+        fact = _facts(proc, now, Dump(CONTEXT_STATUS), _cpu(proc))
+        fact.role = f"{CONTEXT_ROLE}{f' ({fact.role})' if fact.role else ''}"
+        out.append(fact)
+    return out
+
+
+def _capture_tids(skip_threads: set[int] | None) -> set[int]:
+    """Kernel ids of this process's threads that take part in the capture (left out of the graph)."""
+    skip = {threading.get_native_id()}
+    for thread in threading.enumerate():
+        if skip_threads and thread.ident in skip_threads and thread.native_id:
+            skip.add(thread.native_id)
+    return skip
 
 
 def _add_native(target: GuardTarget, reports: list[ProcessReport]) -> list[str]:
@@ -232,7 +304,12 @@ def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
     """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
     started = time.monotonic()
     if target.roots is None:
-        result = kill_tree(target.root_pid, exclude=target.exclude, include_root=target.kill_root)
+        result = kill_tree(
+            target.root_pid,
+            exclude=target.exclude,
+            include_root=target.kill_root,
+            before=target.before,
+        )
     else:
         result = KillResult()
         for root in target.roots:
@@ -243,7 +320,7 @@ def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
             result.spared += part.spared
             result.survivors += part.survivors
             result.reaped.update(part.reaped)
-    result.shm_removed = cleanup_shm(target.shm_baseline, [p.pid for p in result.killed])
+    result.shm_removed = cleanup_shm(target.shm_since, [p.pid for p in result.killed])
     if report is not None:
         report.killed = [p.pid for p in result.killed]
         report.spared = [p.pid for p in result.spared]
@@ -251,13 +328,3 @@ def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
         report.shm_removed = result.shm_removed
         report.kill_s = time.monotonic() - started
     return result
-
-
-def tree_alive(root_pid: int, exclude: set[int]) -> list[int]:
-    """Live (non-zombie) descendants, for checks that a tree is gone."""
-    out = []
-    for proc in descendants(root_pid, exclude):
-        with contextlib.suppress(psutil.Error):
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(proc.pid)
-    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import gc
 import os
 import re
 import signal
@@ -101,14 +102,102 @@ def same_process(proc: psutil.Process, ident: ProcessId) -> bool:
         return False
 
 
-def descendants(root_pid: int, exclude: Iterable[int] = ()) -> list[psutil.Process]:
-    """Every live descendant of ``root_pid``, children of excluded processes included."""
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` from ``/proc/PID/task/*/children``: no scan of every process."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tasks:
+        with (
+            contextlib.suppress(OSError, ValueError),
+            open(f"/proc/{pid}/task/{tid}/children") as f,
+        ):
+            out.extend(int(word) for word in f.read().split())
+    return out
+
+
+Births = frozenset[tuple[int, int]]
+
+
+def births(root_pid: int) -> Births:
+    """(pid, start ticks) of every descendant of ``root_pid`` now: what a test did not start.
+
+    Cheap on the common path (a pytest process without children reads one small file per
+    thread), since it runs before every guarded test.
+    """
+    return births_below(_child_pids(root_pid))
+
+
+def births_below(pids: Iterable[int]) -> Births:
+    """(pid, start ticks) of ``pids`` and all their descendants, as they are now."""
+    found: set[tuple[int, int]] = set()
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        ticks = start_ticks(pid)
+        if ticks is None or (pid, ticks) in found:
+            continue
+        found.add((pid, ticks))
+        todo.extend(_child_pids(pid))
+    return frozenset(found)
+
+
+def _transparent_helpers(procs: list[psutil.Process], root_pid: int) -> set[int]:
+    """The root's own multiprocessing helpers (forkserver, resource_tracker): session-wide
+    state, neither the test's nor context; what they fork for a test is the test's."""
+    out = set()
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.ppid() == root_pid and helper_kind(_safe_cmdline(proc), _safe_name(proc)):
+                out.add(proc.pid)
+    return out
+
+
+def split_descendants(
+    root_pid: int, exclude: Iterable[int] = (), before: Births | None = None
+) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """Live descendants of ``root_pid`` as (owned, context), minus the ``exclude``d processes.
+
+    Context is what existed in ``before`` (a snapshot taken when the test began) and everything
+    below it: a session fixture's server and its workers. Excluded processes (the plugin's own
+    helpers) and the root's multiprocessing helpers are transparent: their children are judged
+    one by one, so a zygote child or forkserver worker born during the test is the test's.
+    """
     skip = set(exclude)
     try:
-        children = psutil.Process(root_pid).children(recursive=True)
+        procs = psutil.Process(root_pid).children(recursive=True)
     except psutil.Error:
-        return []
-    return [p for p in children if p.pid not in skip]
+        return [], []
+    if not before:
+        return [p for p in procs if p.pid not in skip], []
+    transparent = skip | _transparent_helpers(procs, root_pid)
+    context: set[int] = set()
+    for proc in procs:  # breadth first: a parent comes before its children
+        if proc.pid in transparent:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if (proc.pid, start_ticks(proc.pid)) in before or proc.ppid() in context:
+                context.add(proc.pid)
+    owned = [p for p in procs if p.pid not in skip and p.pid not in context]
+    return owned, [p for p in procs if p.pid in context]
+
+
+def descendants(
+    root_pid: int, exclude: Iterable[int] = (), before: Births | None = None
+) -> list[psutil.Process]:
+    """Every live descendant of ``root_pid`` the test owns (see ``split_descendants``)."""
+    return split_descendants(root_pid, exclude, before)[0]
 
 
 def identify(procs: Iterable[psutil.Process]) -> dict[int, ProcessId]:
@@ -143,7 +232,6 @@ class KillResult:
     survivors: list[ProcessId] = field(default_factory=list)
     reaped: dict[int, int] = field(default_factory=dict)  # pid -> exit status
     shm_removed: list[str] = field(default_factory=list)
-    rounds: int = 0
 
 
 def kill_tree(
@@ -153,6 +241,7 @@ def kill_tree(
     include_root: bool = False,
     spare_root_helpers: bool = True,
     budget_s: float = 5.0,
+    before: Births | None = None,
 ) -> KillResult:
     """SIGKILL every descendant of ``root_pid`` (and the root itself if ``include_root``).
 
@@ -160,7 +249,8 @@ def kill_tree(
     a process that forks during the kill cannot escape. Every signal is identity-checked. Helpers
     that clean shared memory (resource_tracker, torch_shm_manager) born in the tree get a short
     grace to do so; ``spare_root_helpers`` leaves the root's own multiprocessing helpers
-    (forkserver, resource_tracker: session-wide state of the root) alone. Bounded by ``budget_s``.
+    (forkserver, resource_tracker: session-wide state of the root) alone. What existed in
+    ``before`` (and its descendants) is never signalled. Bounded by ``budget_s``.
     """
     excluded = set(exclude)
     result = KillResult()
@@ -171,8 +261,7 @@ def kill_tree(
     spared: dict[int, ProcessId] = {}
     stable_rounds = 0
     while time.monotonic() < deadline:
-        result.rounds += 1
-        procs = descendants(root_pid, excluded)
+        procs = descendants(root_pid, excluded, before)
         if include_root:
             with contextlib.suppress(psutil.Error):
                 procs.append(psutil.Process(root_pid))
@@ -261,8 +350,9 @@ def _maps_torch_shm(pid: int) -> bool:
 def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
     """Wait for those of ``killed`` that are this process's own children, so no zombie is left.
 
-    multiprocessing's Process objects of the reaped pids are told their exit code, so later
-    ``join()``/``is_alive()`` calls in the test (or at interpreter exit) neither block nor lie.
+    A child that a live ``subprocess.Popen`` or ``multiprocessing.Process`` of this process
+    owns is left to its owner: reaping it here would steal its exit status (``Popen.poll()``
+    would then say 0 for a process that was killed).
     """
     me = os.getpid()
     pending: dict[int, ProcessId] = {}
@@ -271,6 +361,9 @@ def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
             proc = psutil.Process(ident.pid)
             if same_process(proc, ident) and proc.ppid() == me:
                 pending[ident.pid] = ident
+    if pending:
+        for pid in owned_by_objects() & set(pending):
+            del pending[pid]
     reaped: dict[int, int] = {}
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
@@ -285,19 +378,43 @@ def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
                 del pending[pid]
         if pending:
             time.sleep(0.01)
-    _tell_multiprocessing(reaped)
     return reaped
 
 
-def _tell_multiprocessing(reaped: dict[int, int]) -> None:
+def owned_by_objects() -> set[int]:
+    """Pids of children that a live ``Popen`` or ``multiprocessing.Process`` here will wait for."""
+    pids: set[int] = set()
     mp_process = sys.modules.get("multiprocessing.process")
-    if not reaped or mp_process is None:
-        return
     for child in list(getattr(mp_process, "_children", ())):
         popen = getattr(child, "_popen", None)
-        pid = getattr(popen, "pid", None)
-        if popen is not None and pid in reaped and getattr(popen, "returncode", 0) is None:
-            popen.returncode = reaped[pid]
+        if popen is not None and getattr(popen, "returncode", 0) is None:
+            pids.add(popen.pid)
+    subprocess = sys.modules.get("subprocess")
+    if subprocess is not None:
+        # Popen objects are found by a scan of the heap: only after a kill, never per test.
+        popen_type = subprocess.Popen
+        for obj in gc.get_objects():
+            # type(), not isinstance(): isinstance may call a __class__ property (deprecated
+            # torch objects warn when asked)
+            if issubclass(type(obj), popen_type) and obj.returncode is None:
+                pids.add(obj.pid)
+    return pids
+
+
+def reap_orphans() -> list[int]:
+    """Reap exited children nobody here will wait for (orphans this subreaper adopted)."""
+    me = os.getpid()
+    zombies = []
+    for pid in _child_pids(me):
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                zombies.append(pid)
+    reaped = []
+    for pid in set(zombies) - (owned_by_objects() if zombies else set()):
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped.append(pid)
+    return reaped
 
 
 def shm_entries() -> set[str]:
@@ -340,21 +457,27 @@ def _open_anywhere(names: set[str]) -> set[str]:
     return used
 
 
-def cleanup_shm(baseline: set[str], killed_pids: Iterable[int]) -> list[str]:
-    """Unlink /dev/shm segments created since ``baseline`` that the killed tree left behind.
+def cleanup_shm(since: float, killed_pids: Iterable[int]) -> list[str]:
+    """Unlink /dev/shm segments created since ``since`` (wall time) that the killed tree left.
 
     Only multiprocessing/torch names are considered, and only those no live process has open or
     mapped (a parallel pytest-xdist worker's segments stay; a segment the test still maps is its
     spared torch_shm_manager's to unlink); ``torch_<pid>_*`` names must also belong to a killed
-    process.
+    process. Ages come from the entries themselves, so no listing is taken before each test.
     """
     killed = set(killed_pids)
     candidates: set[str] = set()
-    for name in shm_entries() - baseline:
+    for name in shm_entries():
         if not name.startswith(_SHM_PREFIXES):
             continue
         match = _TORCH_SHM_PID.match(name)
         if match and int(match.group(1)) not in killed:
+            continue
+        try:
+            # file times come from a coarse clock, a tick behind time.time() at most
+            if os.stat(os.path.join(SHM_DIR, name)).st_ctime < since - 0.05:
+                continue
+        except OSError:
             continue
         candidates.add(name)
     if not candidates:

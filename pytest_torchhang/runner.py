@@ -26,10 +26,10 @@ from typing import Any
 
 import psutil
 
-from . import guard
+from . import _hook, guard
 from ._hook import DUMP_DIR_ENV
 from .child import Outcome
-from .exceptions import ChildCrashed, HangError, RemoteTraceback
+from .exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
 from .proctree import ProcessId, same_process
 
 START_METHODS = ("zygote", "spawn", "forkserver")
@@ -60,6 +60,7 @@ class Zygote:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
+            start_new_session=True,  # Ctrl-C in the terminal is pytest's, not the zygote's
         )
         self._buffer = b""
         self.exits: dict[int, int] = {}
@@ -87,13 +88,16 @@ class Zygote:
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
-            words = line.decode().split()
-            if words[:1] == ["READY"]:
+            # "PID <request path> <pid>": the path may hold spaces (a TMPDIR with one)
+            kind, _, rest = line.decode().partition(" ")
+            if kind == "READY":
                 self._ready = True
-            elif words[:1] == ["PID"]:
-                self._pids[words[1]] = int(words[2])
-            elif words[:1] == ["EXIT"]:
-                self.exits[int(words[1])] = int(words[2])
+            elif kind == "PID":
+                request, _, pid = rest.rpartition(" ")
+                self._pids[request] = int(pid)
+            elif kind == "EXIT":
+                pid, _, code = rest.partition(" ")
+                self.exits[int(pid)] = int(code)
 
     def _wait_for(self, done: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -182,12 +186,20 @@ class Runner:
         """Processes of the runner itself, never part of a test's tree."""
         return {self._zygote.pid} if self._zygote is not None and self._zygote.alive() else set()
 
-    def _child_env(self) -> dict[str, str]:
+    def _child_env(self, extra: dict[str, str | None] | None = None) -> dict[str, str]:
+        """This process's environment now, with the dump hook's variables and ``extra``."""
         env = dict(os.environ)
         env[DUMP_DIR_ENV] = self.dump_dir
         path = env.get("PYTHONPATH", "")
         if _INJECT_DIR not in path.split(os.pathsep):
             env["PYTHONPATH"] = _INJECT_DIR + (os.pathsep + path if path else "")
+        for key, value in _hook.guarded_env().items():
+            env.setdefault(key, value)
+        for key, wanted in (extra or {}).items():
+            if wanted is None:
+                env.pop(key, None)
+            else:
+                env[key] = wanted
         return env
 
     def zygote(self) -> Zygote:
@@ -217,13 +229,10 @@ class Runner:
         payload = pickle.dumps((fn, args, kwargs))
         n = next(self._ids)
         base = os.path.join(self.workdir, f"{os.getpid()}-{n}")
-        # The zygote's environment was fixed when it started: what a marker set for this test
-        # (cpu hides CUDA, gpu leases devices) must travel with each request.
-        child_env: dict[str, str | None] = {
-            DUMP_DIR_ENV: self.dump_dir,
-            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            **(env or {}),
-        }
+        # The zygote's environment was fixed when it started: the child gets the calling test's
+        # own, as it is now (monkeypatch.setenv, a marker's CUDA_VISIBLE_DEVICES), as a spawned
+        # child would, plus the call's ``env``.
+        child_env = self._child_env(env)
         main = sys.modules.get("__main__")
         main_path = getattr(main, "__file__", None) if b"__main__" in payload else None
         header = (
@@ -245,14 +254,8 @@ class Runner:
         if method == "zygote":
             pid = self.zygote().fork(request)
         elif method == "spawn":
-            spawn_env = self._child_env()
-            for key, value in (env or {}).items():
-                if value is None:
-                    spawn_env.pop(key, None)
-                else:
-                    spawn_env[key] = value
             popen = subprocess.Popen(
-                [sys.executable, "-m", "pytest_torchhang.child", request], env=spawn_env
+                [sys.executable, "-m", "pytest_torchhang.child", request], env=child_env
             )
             pid = popen.pid
         else:
@@ -434,7 +437,7 @@ def raise_outcome(runner: Runner, child: Child) -> Any:
             else RuntimeError(f"{outcome.exc_type}: {outcome.exc_message}")
         )
         exc.__cause__ = RemoteTraceback(outcome.traceback)
-        exc.add_note(f"raised in {child.role} (pid {child.pid}); its traceback is shown above")
+        add_note(exc, f"raised in {child.role} (pid {child.pid}); its traceback is shown above")
         raise exc
     code = child.exitcode if child.exitcode is not None else -signal.SIGKILL
     crash = ""

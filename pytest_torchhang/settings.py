@@ -88,12 +88,18 @@ def session_settings(config: pytest.Config) -> SessionSettings:
     cli_value = config.getoption("torch_hang_timeout")
     if cli_value is not None:
         timeout, source = parse_timeout(cli_value, TIMEOUT_OPTION), "command line"
+    # A relative directory is fixed now, not at hang time (a test may chdir): the command line's
+    # against the invocation directory, the ini file's against the ini file's directory.
     report_dir, dir_source = config.getoption("torch_hang_report_dir"), REPORT_DIR_OPTION
+    base = config.invocation_params.dir
     if not report_dir:
         report_dir, dir_source = (
             config.getini(REPORT_DIR_INI) or None,
             f"ini option {REPORT_DIR_INI}",
         )
+        base = config.inipath.parent if config.inipath is not None else base
+    if report_dir:
+        report_dir = os.path.join(base, os.path.expanduser(report_dir))
     if report_dir and os.path.exists(report_dir) and not os.path.isdir(report_dir):
         raise pytest.UsageError(
             f"{dir_source} must be a directory (created if missing), got {report_dir!r}, "

@@ -1,18 +1,28 @@
-"""Deadlines that fire whatever the main thread is doing.
+"""Deadlines that fire whatever the test's thread is doing, with one explicit state per test.
 
-A watchdog thread runs the guard pipeline at the deadline and interrupts the main thread. When
-the main thread holds the GIL in C code, that thread cannot run: a small monitor process (see
-``monitor.py``), told of every deadline through a pipe, then does the capture and the kill from
-outside, the pytest process included.
+A watchdog thread runs the hang pipeline at the deadline and interrupts the test's thread. When
+that thread holds the GIL in C code, the watchdog cannot run: the monitor process (see
+``monitor.py``), told of every deadline through a pipe, then acts from outside.
+
+One test's deadline moves through these states, each change made under one lock::
+
+    ARMED --deadline--> FIRING --report ready--> FIRED --HangError raised or attached--> DELIVERED
+      ^                                            |  (interrupted again every second)      |
+      |                                            +-- re-killed now and then               |
+      +---------- (the test's teardown outlives its grace: FIRING again) <------------------+
+    any state --test over, or a debugger--> DISARMED
+
+Only FIRED, while the test's own code runs (setup, call or teardown), allows an interrupt.
+Once the test has its ``HangError``, the rest of it (teardown above all) gets a grace as long as
+the timeout itself, and is interrupted only if it outlives that grace too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import ctypes
+import enum
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,149 +30,234 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import guard
-from ._hook import DUMP_DIR_ENV
+from .exceptions import HangError
+from .monitor import MonitorClient
+from .processwide import INTERRUPT_SIGNAL
 from .report import HangReport
 
-#: Sent to the pytest main thread to raise HangError where it is blocked.
-INTERRUPT_SIGNAL = signal.SIGRTMIN + 6
-#: After a fire: how often and how many times the main thread is interrupted again.
+#: While a fired test has not taken its HangError: interrupt it again this often ...
 INTERRUPT_EVERY_S = 1.0
-INTERRUPTS = 5
-#: Full fires (capture + kill) per test at most; then the monitor's hard stop applies.
-MAX_FIRES = 3
+#: ... and kill its tree again every this many interrupts (it may have started new processes).
+REKILL_EVERY = 5
+#: At most this many kills of one tree per hang; then only the monitor's hard stop is left.
+MAX_KILLS = 3
+
+
+class State(enum.Enum):
+    """Where one test's deadline stands."""
+
+    ARMED = "armed"
+    FIRING = "firing"
+    FIRED = "fired"
+    DELIVERED = "delivered"
+    DISARMED = "disarmed"
+
+
+class Action(enum.Enum):
+    """What the watchdog thread must do for a deadline now."""
+
+    FIRE = "fire"
+    INTERRUPT = "interrupt"
+    REKILL = "rekill"
 
 
 @dataclass
-class ItemGuard:
-    """The state of one guarded test."""
+class TestDeadline:
+    """The deadline of one guarded test and the hang reports it produced."""
+
+    __test__ = False  # not a test class, whatever pytest's collection thinks of the name
 
     target: guard.GuardTarget
     deadline: float
-    main_thread: int
-    fires: int = 0
-    interrupts: int = 0
-    report: HangReport | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    in_phase: bool = False
-    raised: bool = False
-    attached: bool = False
-    disarmed: bool = False
+    thread_id: int  # the thread that runs the test (pytest's main thread, or the one it runs in)
     item: Any = None  # the pytest item, for hooks that get none (pytest_enter_pdb)
+    state: State = State.ARMED
+    phase_running: bool = False  # the test's setup, call or teardown code is running now
+    reports: list[HangReport] = field(default_factory=list)
+    attached: int = 0  # how many of ``reports`` a pytest report carries already
+    interrupts: int = 0
+    kills: int = 0
+    done: threading.Event = field(default_factory=threading.Event)  # no capture in progress
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
-
-class MonitorClient:
-    """The pytest side of the monitor process: started on first use, told of deadlines by a pipe."""
-
-    def __init__(self, dump_dir: str, stderr_fd: int, report_dir: str | None) -> None:
-        self._dump_dir = dump_dir
-        self._stderr_fd = stderr_fd
-        self._report_dir = report_dir
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._write_fd: int | None = None
+    def __post_init__(self) -> None:
+        self.done.set()
 
     @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+    def in_main_thread(self) -> bool:
+        return self.thread_id == threading.main_thread().ident
 
-    def _start(self) -> None:
-        read_fd, write_fd = os.pipe()
-        env = {k: v for k, v in os.environ.items() if k != DUMP_DIR_ENV}
-        self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pytest_torchhang.monitor",
-                str(os.getpid()),
-                str(read_fd),
-                self._dump_dir,
-                self._report_dir or "",
-            ],
-            pass_fds=(read_fd,),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=self._stderr_fd,
-            env=env,
-            close_fds=True,
-        )
-        os.close(read_fd)
-        os.set_inheritable(write_fd, False)
-        self._write_fd = write_fd
+    @property
+    def fired(self) -> bool:
+        """Whether a hang was declared for this test (reported or not yet)."""
+        return bool(self.reports) or self.state is State.FIRING
 
-    def ensure_started(self) -> int:
-        """Start the monitor if it is not running; returns its pid."""
-        if self._proc is None or self._proc.poll() is not None:
-            self._close_pipe()
-            self._start()
-        assert self._proc is not None
-        return self._proc.pid
+    def step(self, now: float) -> tuple[Action | None, float]:
+        """What to do now, and when to look again (called by the watchdog thread)."""
+        with self._lock:
+            if now < self.deadline or self.state is State.DISARMED:
+                return None, self.deadline if self.state is not State.DISARMED else float("inf")
+            if self.state in (State.ARMED, State.DELIVERED):
+                self.state = State.FIRING
+                self.done.clear()
+                return Action.FIRE, float("inf")
+            if self.state is State.FIRED:
+                self.interrupts += 1
+                self.deadline = now + INTERRUPT_EVERY_S
+                if self.interrupts % REKILL_EVERY == 0 and self.kills < MAX_KILLS:
+                    return Action.REKILL, self.deadline
+                return Action.INTERRUPT, self.deadline
+            return None, float("inf")  # FIRING: the watchdog itself is at work
 
-    def send(self, line: str) -> None:
-        """Tell the monitor ``line``; restart it once if it died."""
-        for _ in range(2):
-            self.ensure_started()
-            assert self._write_fd is not None
-            try:
-                os.write(self._write_fd, (line + "\n").encode())
-                return
-            except OSError:
-                self._close_pipe()
-                self._proc = None
+    def fire_done(self, report: HangReport, now: float) -> None:
+        """The tree was captured and killed: from now on the test is interrupted until it raises."""
+        with self._lock:
+            self.reports.append(report)
+            self.kills += 1
+            if self.state is State.FIRING:
+                self.state = State.FIRED
+                self.interrupts = 0
+                self.deadline = now  # interrupt at once
+            self.done.set()
 
-    def _close_pipe(self) -> None:
-        if self._write_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._write_fd)
-            self._write_fd = None
+    def take_error(self) -> HangError | None:
+        """In the test's thread, at an interrupt: the HangError to raise there, if it is time."""
+        with self._lock:
+            if self.state is not State.FIRED or not self.phase_running or not self.reports:
+                return None
+            report = self.reports[-1]
+            self._deliver()
+        return HangError(report.headline, report)
 
-    def stop(self) -> None:
-        """End the monitor: closing the pipe makes it exit; bounded wait, then kill."""
-        self._close_pipe()
-        if self._proc is not None:
-            try:
-                self._proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._proc.wait(timeout=2.0)
-            self._proc = None
+    def take_reports(self, wait_s: float) -> list[HangReport]:
+        """For a pytest report of this test: the hang reports no earlier report carries."""
+        self.done.wait(wait_s)  # a capture in progress finishes first (bounded)
+        with self._lock:
+            fresh = self.reports[self.attached :]
+            self.attached = len(self.reports)
+            if fresh and self.state is State.FIRED:
+                self._deliver()  # reported, even if the interrupt never landed: stop interrupting
+            return fresh
+
+    def _deliver(self) -> None:
+        self.state = State.DELIVERED
+        # The rest of the test (its teardown above all) gets a grace as long as the timeout.
+        self.deadline = time.monotonic() + self.target.timeout_s
+
+    def enter_phase(self, name: str) -> None:
+        with self._lock:
+            self.target.phase = name
+            self.phase_running = True
+
+    def leave_phase(self) -> None:
+        with self._lock:
+            self.phase_running = False
+            if not self.in_main_thread and self.state is State.FIRED:
+                _cancel_async_exception(self.thread_id)  # it must not land in pytest's own code
+
+    def disarm(self) -> None:
+        with self._lock:
+            self.state = State.DISARMED
+            self.deadline = float("inf")
+
+    def pause(self) -> float:
+        """Stop the clock (the zygote's start is the session's cost); returns what was left."""
+        with self._lock:
+            if self.state is not State.ARMED:
+                return float("nan")
+            left = self.deadline - time.monotonic()
+            self.deadline = float("inf")
+            return left
+
+    def resume(self, left: float) -> None:
+        with self._lock:
+            if self.state is State.ARMED and left == left:  # NaN: it was not paused
+                self.deadline = time.monotonic() + left
+
+    def tighten(self, deadline: float, timeout_s: float) -> bool:
+        """Move an armed deadline earlier (two plugins set one); False when nothing changed."""
+        with self._lock:
+            if self.state is not State.ARMED or deadline >= self.deadline:
+                return False
+            self.deadline = deadline
+            self.target.timeout_s = min(self.target.timeout_s, timeout_s)
+            return True
+
+    def monitor_line(self) -> str | None:
+        """What the monitor must be told of this deadline now, if anything."""
+        with self._lock:
+            if self.state in (State.ARMED, State.DELIVERED):  # inf while paused: "ARM inf ..."
+                target = self.target
+                before = ",".join(f"{pid}:{ticks}" for pid, ticks in target.before or ()) or "-"
+                return f"ARM {self.deadline:.6f} {target.timeout_s:.6f} {before} {target.test_id}"
+            if self.state is State.DISARMED:
+                return "DISARM"
+            return None
+
+
+def _async_hang(report: HangReport, deadline: TestDeadline) -> type[HangError]:
+    """A HangError class whose instance, raised in another thread, marks the hang delivered."""
+
+    class AsyncHangError(HangError):
+        def __init__(self) -> None:
+            super().__init__(report.headline, report)
+            with deadline._lock:
+                if deadline.state is State.FIRED:
+                    deadline._deliver()
+
+    AsyncHangError.__name__ = AsyncHangError.__qualname__ = "HangError"
+    return AsyncHangError
+
+
+def _set_async_exception(thread_id: int, exc: type[BaseException] | None) -> None:
+    set_async = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    set_async(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
+
+
+def _cancel_async_exception(thread_id: int) -> None:
+    with contextlib.suppress(Exception):
+        _set_async_exception(thread_id, None)
 
 
 class Watchdog:
     """One thread per session; at most one armed test at a time (pytest runs them one by one)."""
 
     def __init__(
-        self,
-        monitor: MonitorClient,
-        own_pids: Callable[[], set[int]] = set,
+        self, monitor: MonitorClient, own_pids: Callable[[], set[int]], notes: list[str]
     ) -> None:
         self._own_pids = own_pids  # the plugin's processes now (a zygote may have started since)
         self._monitor = monitor
-        self._cond = threading.Condition()
-        self._current: ItemGuard | None = None
+        self._errors = notes  # the watchdog's own failures, for the session's summary
+        self._cond = threading.Condition(threading.RLock())
+        self._current: TestDeadline | None = None
         self._wake_at = float("inf")  # when the thread next wakes by itself
+        self._told: tuple[int, str | None] = (0, None)  # (id of deadline, last line sent)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="torch-hang watchdog", daemon=True)
         self._thread.start()
 
-    @property
-    def thread_ident(self) -> int | None:
-        return self._thread.ident
-
-    def arm(self, item: ItemGuard) -> None:
+    def arm(self, deadline: TestDeadline) -> None:
+        """Watch ``deadline`` (the current test's), or look again at it after a change."""
         with self._cond:
-            self._current = item
+            self._current = deadline
             # Wake the thread only when it would otherwise sleep past this deadline: tests
             # shorter than their timeout then cost no thread switch at all.
-            if item.deadline < self._wake_at:
+            if deadline.deadline < self._wake_at:
                 self._cond.notify()
-        self._monitor.send(
-            f"ARM {item.deadline:.6f} {item.target.timeout_s:.6f} {item.target.test_id}"
-        )
+        self._tell_monitor(deadline)
 
-    def disarm(self) -> None:
+    def poke(self) -> None:
+        """Look at the current deadline now (its state changed in another thread)."""
         with self._cond:
-            self._current = None  # the thread finds out when it next wakes
-        self._monitor.send("DISARM")
+            self._wake_at = 0.0
+            self._cond.notify()
+
+    def disarm(self, deadline: TestDeadline) -> None:
+        deadline.disarm()
+        with self._cond:
+            if self._current is deadline:
+                self._current = None  # the thread finds out when it next wakes
+        self._tell_monitor(deadline)
 
     def stop(self) -> None:
         with self._cond:
@@ -171,58 +266,84 @@ class Watchdog:
             self._cond.notify()
         self._thread.join(timeout=5.0)
 
-    def _next_due(self) -> ItemGuard | None:
+    def _tell_monitor(self, deadline: TestDeadline) -> None:
+        line = deadline.monitor_line()
+        if line is not None and self._told != (id(deadline), line):
+            self._told = (id(deadline), line)
+            self._monitor.send(line)
+
+    def _next(self) -> tuple[TestDeadline, Action] | None:
         with self._cond:
             while not self._stopping:
-                item = self._current
-                if item is None:
+                current = self._current
+                if current is None:
                     self._wake_at = float("inf")
                     self._cond.wait()
                     continue
-                remaining = item.deadline - time.monotonic()
-                if remaining > 0:
-                    self._wake_at = item.deadline
-                    # no more fires for this test (deadline inf): wait to be told of the next
-                    self._cond.wait(remaining if remaining != float("inf") else None)
-                    continue
-                return item
+                action, wake = current.step(time.monotonic())
+                if action is not None:
+                    return current, action
+                self._tell_monitor(current)  # e.g. a grace after the test took its HangError
+                self._wake_at = wake
+                timeout = wake - time.monotonic()
+                self._cond.wait(timeout if timeout != float("inf") else None)
             return None
 
     def _run(self) -> None:
-        while (item := self._next_due()) is not None:
-            if item.fires == 0 or (item.interrupts >= INTERRUPTS and item.fires < MAX_FIRES):
-                self._fire(item)
-            if item.interrupts < INTERRUPTS:
-                item.interrupts += 1
-                if self._current is item:  # the test may have just ended
-                    with contextlib.suppress(OSError, ValueError):
-                        signal.pthread_kill(item.main_thread, INTERRUPT_SIGNAL)
-                item.deadline = time.monotonic() + INTERRUPT_EVERY_S
-            elif item.fires < MAX_FIRES:
-                item.interrupts = 0
-                item.deadline = time.monotonic() + INTERRUPT_EVERY_S
-            else:
-                item.deadline = float("inf")  # nothing more this thread can do; the monitor can
+        while (due := self._next()) is not None:
+            deadline, action = due
+            try:
+                if action is Action.FIRE:
+                    self._fire(deadline)
+                elif action is Action.REKILL:
+                    deadline.kills += 1
+                    guard.kill(deadline.target)
+                self._interrupt(deadline)
+            except Exception as exc:  # the watchdog must outlive its own failures
+                self._errors.append(f"the watchdog failed on {deadline.target.test_id}: {exc!r}")
+                if deadline.state is State.FIRING:
+                    deadline.fire_done(_failed_report(deadline, exc), time.monotonic())
 
-    def _fire(self, item: ItemGuard) -> None:
-        item.fires += 1
+    def _fire(self, deadline: TestDeadline) -> None:
         self._monitor.send("FIRED")
+        self._told = (id(deadline), "FIRED")
+        target = deadline.target
         if self._monitor.pid is not None:  # a restarted monitor has a new pid: never kill it
-            item.target.exclude.add(self._monitor.pid)
-        item.target.exclude |= self._own_pids()
+            target.exclude.add(self._monitor.pid)
+        target.exclude |= self._own_pids()
         skip = {self._thread.ident} if self._thread.ident else set()
         try:
-            report = guard.capture(item.target, skip_threads=skip)
-            if item.report is None:
-                item.report = report
-            else:
-                item.report.notes.append(
-                    f"still running {report.elapsed_s:.1f}s after the deadline: the tree was captured "
-                    f"and killed again ({report.headline})"
+            report = guard.capture(target, skip_threads=skip)
+        except Exception as exc:  # report what is known, and still kill the tree
+            report = _failed_report(deadline, exc)
+        try:
+            guard.kill(target, report)
+        except Exception as exc:
+            report.notes.append(f"pytest-torchhang could not kill the tree: {exc!r}")
+        deadline.fire_done(report, time.monotonic())
+
+    def _interrupt(self, deadline: TestDeadline) -> None:
+        """Make the test's thread raise its HangError where it is (if it runs its own code)."""
+        with deadline._lock:
+            if deadline.state is not State.FIRED or not deadline.phase_running:
+                return
+            if not deadline.in_main_thread:
+                _set_async_exception(
+                    deadline.thread_id, _async_hang(deadline.reports[-1], deadline)
                 )
-            guard.kill(item.target, report)
-            if report is not item.report and item.report is not None:
-                item.report.killed += report.killed
-                item.report.shm_removed += report.shm_removed
-        finally:
-            item.done.set()
+                return
+        with contextlib.suppress(OSError, ValueError):
+            signal.pthread_kill(deadline.thread_id, INTERRUPT_SIGNAL)
+
+
+def _failed_report(deadline: TestDeadline, exc: BaseException) -> HangReport:
+    target = deadline.target
+    elapsed = time.monotonic() - target.started
+    return HangReport(
+        test_id=target.test_id,
+        timeout_s=target.timeout_s,
+        elapsed_s=elapsed,
+        phase=target.phase,
+        headline=f"HANG after {elapsed:.1f}s in {target.test_id}: the stacks could not be taken",
+        notes=[f"pytest-torchhang's capture failed: {exc!r}; the tree was killed all the same"],
+    )

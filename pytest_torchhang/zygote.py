@@ -23,6 +23,7 @@ def _fork(request_path: str) -> int:
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the job's, as usual
             os.close(0)
             os.open(os.devnull, os.O_RDONLY)  # fd 0 again
             from .child import run_request
@@ -37,6 +38,8 @@ def main() -> int:
     """Serve fork requests until stdin closes."""
     from .proctree import die_with_parent
 
+    # Ctrl-C is pytest's to handle; the zygote ends when pytest closes its stdin, or dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     preload = os.environ.get("PYTEST_TORCH_HANG_ZYGOTE_PRELOAD", "torch").split(",")
     for name in filter(None, preload):

@@ -1,0 +1,111 @@
+"""Process-wide state of the guard, shared by every pytest session in this process and counted.
+
+Signal handlers, the stack-dump hook, environment variables and the child subreaper belong to
+the process, not to a session: ``pytester.runpytest()`` inline, or an IDE that calls
+``pytest.main`` twice, runs one session inside another. The first session to need them sets
+them up, the last one to leave puts them back; an inner session never undoes the outer's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, ClassVar
+
+from . import _hook
+from .proctree import become_subreaper
+
+#: Sent to a pytest thread to raise HangError where it is blocked.
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 6
+INJECT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inject")
+
+#: Called in the interrupted thread: the exception to raise there, or None (not its turn).
+Receiver = Callable[[], BaseException | None]
+
+
+class _Shared:
+    lock: ClassVar[threading.Lock] = threading.Lock()
+    users: ClassVar[list[Receiver]] = []
+    dump_dir: ClassVar[str | None] = None
+    saved_env: ClassVar[dict[str, str | None]] = {}
+    previous_handler: ClassVar[Any] = None
+    handler_installed: ClassVar[bool] = False
+
+
+def acquire(receiver: Receiver) -> str:
+    """Join the process-wide guard (set it up if first); returns the shared dump directory."""
+    with _Shared.lock:
+        if not _Shared.users:
+            _set_up()
+        _Shared.users.append(receiver)
+        assert _Shared.dump_dir is not None
+        return _Shared.dump_dir
+
+
+def release(receiver: Receiver) -> None:
+    """Leave the process-wide guard; the last user puts everything back."""
+    with _Shared.lock:
+        if receiver in _Shared.users:
+            _Shared.users.remove(receiver)
+        if not _Shared.users and _Shared.dump_dir is not None:
+            _tear_down()
+
+
+def users() -> int:
+    """How many sessions in this process use the guard now."""
+    return len(_Shared.users)
+
+
+def interrupt_available() -> bool:
+    """Whether the signal that interrupts a blocked main thread is handled here."""
+    return _Shared.handler_installed
+
+
+def _set_up() -> None:
+    _Shared.dump_dir = tempfile.mkdtemp(prefix="torchhang-")
+    _hook.install(_Shared.dump_dir)
+    become_subreaper()
+    if threading.current_thread() is threading.main_thread():
+        # One handler for the process: a late interrupt (the test ended just as the watchdog
+        # fired) finds no test in phase and does nothing, instead of meeting the signal's
+        # default action, which would terminate the process.
+        _Shared.previous_handler = signal.signal(INTERRUPT_SIGNAL, _on_interrupt)
+        _Shared.handler_installed = True
+    current = os.environ.get("PYTHONPATH")
+    values = {
+        _hook.DUMP_DIR_ENV: _Shared.dump_dir,
+        "PYTHONPATH": INJECT_DIR + (os.pathsep + current if current else ""),
+    }
+    for key, value in _hook.guarded_env().items():
+        if key not in os.environ:  # the user's own setting wins
+            values[key] = value
+    _Shared.saved_env = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+
+
+def _tear_down() -> None:
+    for key, value in _Shared.saved_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _Shared.saved_env = {}
+    _hook.uninstall()
+    if _Shared.handler_installed:
+        signal.signal(INTERRUPT_SIGNAL, _Shared.previous_handler or signal.SIG_DFL)
+        _Shared.handler_installed = False
+    if _Shared.dump_dir:
+        shutil.rmtree(_Shared.dump_dir, ignore_errors=True)
+    _Shared.dump_dir = None
+
+
+def _on_interrupt(signum: int, frame: FrameType | None) -> None:
+    for receiver in reversed(list(_Shared.users)):  # the innermost session first
+        exc = receiver()
+        if exc is not None:
+            raise exc

@@ -1,0 +1,221 @@
+"""One pytest session's guard: its tests' deadlines, its helpers, and what its tests left running."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from . import guard, processwide, proctree, runner, settings, testreport
+from .monitor import MonitorClient
+from .report import HangReport
+from .watchdog import TestDeadline, Watchdog
+
+#: How long a test report waits for a capture in progress (capture + kill) to finish.
+PIPELINE_WAIT_S = 30.0
+
+DEADLINE = pytest.StashKey[TestDeadline]()
+
+
+def xdist_worker(config: pytest.Config) -> str | None:
+    """This process's pytest-xdist worker id (not an inherited variable: pytester sessions
+    started from a worker are not workers)."""
+    workerinput = getattr(config, "workerinput", None)
+    return str(workerinput["workerid"]) if workerinput else None
+
+
+@contextlib.contextmanager
+def _sigchld_ignored() -> Iterator[None]:
+    """No Python SIGCHLD handler meanwhile: torch's DataLoader installs one that raises in the
+    main thread when a worker of a live loader dies, which would cut a kill short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+@dataclass
+class GuardSession:
+    """Per-config state of the guard, kept in the config's stash."""
+
+    config: pytest.Config
+    settings: settings.SessionSettings
+    stderr_fd: int
+    #: pytest runs in a thread of a host program (an IDE, ``pytest.main`` in a thread)
+    in_thread: bool = field(
+        default_factory=lambda: threading.current_thread() is not threading.main_thread()
+    )
+    dump_dir: str | None = None
+    watchdog: Watchdog | None = None
+    monitor: MonitorClient | None = None
+    current: TestDeadline | None = None
+    hangs: list[tuple[str, str]] = field(default_factory=list)  # (nodeid, headline)
+    hang_files: int = 0
+    #: processes that guarded tests started and left running, killed at session end
+    started_by_tests: set[tuple[int, int]] = field(default_factory=set)
+    leftovers: list[str] = field(default_factory=list)  # what was killed at the end, described
+    notes: list[str] = field(default_factory=list)  # the guard's own troubles, said once
+    subprocess_runner: runner.Runner | None = None
+
+    def get_runner(self) -> runner.Runner:
+        """The subprocess runner (and its zygote), created on first use."""
+        if self.subprocess_runner is None:
+            self.subprocess_runner = runner.Runner(self.paused_deadline)
+        return self.subprocess_runner
+
+    def own_pids(self, start: bool = True) -> set[int]:
+        """The plugin's own processes: never part of a test's tree."""
+        pids = self.subprocess_runner.helper_pids() if self.subprocess_runner is not None else set()
+        if self.monitor is not None:
+            pid = self.monitor.ensure_started() if start else self.monitor.pid
+            if pid is not None:
+                pids.add(pid)
+        return pids
+
+    def activate(self) -> Watchdog:
+        """First guarded test: join the process-wide guard, start the watchdog and monitor."""
+        if self.watchdog is not None:
+            return self.watchdog
+        self.dump_dir = processwide.acquire(self._take_error)
+        self.monitor = MonitorClient(
+            self.dump_dir, self.stderr_fd, self.settings.report_dir, spare_root=self.in_thread
+        )
+        self.monitor.ensure_started()
+        self.watchdog = Watchdog(self.monitor, lambda: self.own_pids(start=False), self.notes)
+        if self.in_thread:
+            self.notes.append(
+                "pytest runs in a thread other than the main one here, where no signal can "
+                "interrupt it: a hung test is reported and its processes killed, and it fails "
+                "when its thread next runs Python code (an asynchronous exception); a call that "
+                "never returns keeps it blocked, and the host process is never killed"
+            )
+        return self.watchdog
+
+    def _take_error(self) -> BaseException | None:
+        current = self.current
+        return current.take_error() if current is not None else None
+
+    def arm(self, item: pytest.Item, timeout_s: float) -> TestDeadline:
+        """Put ``item`` under a deadline ``timeout_s`` from now (or tighten the one it has)."""
+        watchdog = self.activate()
+        deadline_at = time.monotonic() + timeout_s
+        held = item.stash.get(DEADLINE, None)
+        if held is not None:
+            if held.tighten(deadline_at, timeout_s):
+                watchdog.arm(held)
+            return held
+        target = guard.GuardTarget(
+            test_id=item.nodeid,
+            timeout_s=timeout_s,
+            root_pid=os.getpid(),
+            dump_dir=self.dump_dir,
+            exclude=self.own_pids(),
+            shm_since=time.time(),
+            native=self.settings.native,
+            before=proctree.births(os.getpid()),
+        )
+        worker = xdist_worker(item.config)
+        if worker:
+            target.root_role = f"pytest (xdist worker {worker})"
+        held = TestDeadline(target, deadline_at, threading.get_ident(), item=item)
+        item.stash[DEADLINE] = held
+        self.current = held
+        watchdog.arm(held)
+        return held
+
+    @contextlib.contextmanager
+    def fixture_processes(self) -> Iterator[None]:
+        """Count what starts meanwhile (a higher-scoped fixture's setup) as context."""
+        me = os.getpid()
+        before = proctree.births(me)
+        try:
+            yield
+        finally:
+            new = proctree.births(me) - before
+            held = self.current
+            if new and held is not None:
+                held.target.before = (held.target.before or frozenset()) | new
+                if self.watchdog is not None:
+                    self.watchdog.arm(held)  # the monitor learns of them too
+
+    def disarm(self, held: TestDeadline) -> None:
+        """Lift a deadline: after the test, or when a debugger takes over."""
+        if self.watchdog is not None:
+            self.watchdog.disarm(held)
+        if self.current is held:
+            self.current = None
+
+    def finish(self, held: TestDeadline) -> None:
+        """The test is over: lift its deadline, remember what it left running."""
+        self.disarm(held)
+        if held.fired:
+            held.done.wait(PIPELINE_WAIT_S)
+        before = held.target.before or frozenset()
+        own = self.own_pids(start=False)
+        self.started_by_tests |= {
+            birth for birth in proctree.births(os.getpid()) - before if birth[0] not in own
+        }
+
+    @contextlib.contextmanager
+    def paused_deadline(self) -> Iterator[None]:
+        """Stop the current test's clock meanwhile (the zygote's start is the session's cost)."""
+        held = self.current
+        if held is None or self.watchdog is None:
+            yield
+            return
+        left = held.pause()
+        self.watchdog.arm(held)
+        try:
+            yield
+        finally:
+            held.resume(left)
+            self.watchdog.arm(held)
+
+    def json_path(self, hang: HangReport, nodeid: str) -> str | None:
+        """Write the hang's JSON report when a report directory is configured."""
+        if not self.settings.report_dir:
+            return None
+        self.hang_files += 1
+        worker = xdist_worker(self.config) or "main"
+        tag = f"{worker}-{os.getpid()}-{self.hang_files}"
+        return testreport.write_json(self.settings.report_dir, hang, nodeid, tag)
+
+    def kill_leftovers(self) -> None:
+        """Kill what guarded tests started and left running; never what they did not start."""
+        if self.watchdog is None or not self.started_by_tests:
+            return
+        me = os.getpid()
+        alive = proctree.births(me)
+        seeds = alive & self.started_by_tests
+        if not seeds:
+            return
+        theirs = proctree.births_below(pid for pid, _ in seeds)
+        own = self.own_pids(start=False)
+        described = {}
+        for proc in proctree.descendants(me, own, alive - theirs):
+            with contextlib.suppress(Exception):
+                described[proc.pid] = " ".join(proc.cmdline())[:200]
+        with _sigchld_ignored():
+            result = proctree.kill_tree(me, exclude=own, before=alive - theirs)
+        self.leftovers = [f"{p.pid}: {described.get(p.pid, '?')}" for p in result.killed]
+
+    def close(self) -> None:
+        if self.subprocess_runner is not None:
+            self.subprocess_runner.close()
+        if self.watchdog is None:
+            return
+        self.watchdog.stop()
+        if self.monitor is not None:
+            self.monitor.stop()
+        processwide.release(self._take_error)
+        proctree.reap_orphans()

@@ -1,0 +1,125 @@
+"""How a hang travels in pytest's reports: longrepr, user properties, the JSON file, the summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import pytest
+from _pytest._code.code import TerminalRepr
+from _pytest._io import TerminalWriter
+
+from .report import HangReport
+
+HANG_PROPERTY = "torch_hang"
+HEADLINE_PROPERTY = "torch_hang_headline"
+
+
+@dataclass(frozen=True)
+class _Crash:
+    """What pytest's short summary and JUnit XML read from ``longrepr.reprcrash``."""
+
+    message: str
+    path: str = ""
+    lineno: int = 0
+
+
+class HangLongRepr(TerminalRepr):
+    """A hang's ``longrepr``: the headline is the failure message, the report is the text."""
+
+    def __init__(self, headline: str, text: str, path: str = "", lineno: int = 0) -> None:
+        self.reprcrash = _Crash(headline, path, lineno)
+        self.text = text
+
+    def toterminal(self, tw: TerminalWriter) -> None:
+        for number, line in enumerate(self.text.splitlines()):
+            if number == 0:
+                tw.line(line, red=True, bold=True)
+            elif line.startswith("hint:"):
+                tw.line(line, yellow=True, bold=True)
+            else:
+                tw.line(line)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def write_json(report_dir: str, hang: HangReport, nodeid: str, tag: str) -> str | None:
+    """One JSON file per hang in ``report_dir``; ``tag`` keeps names apart (worker, pid, count).
+
+    A file that cannot be written must not end the session: the reason goes into the report.
+    """
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid)[-120:]
+    path = os.path.join(report_dir, f"{safe}-{tag}.json")
+    try:
+        os.makedirs(report_dir, exist_ok=True)
+        with open(path, "w") as out:
+            json.dump(hang.to_json(), out, indent=1, default=str)
+    except OSError as exc:
+        hang.notes.append(f"the JSON report could not be written to {path}: {exc}")
+        return None
+    return path
+
+
+def mark_hang(
+    item: pytest.Item, report: pytest.TestReport, hang: HangReport, json_path: str | None
+) -> None:
+    """Turn ``report`` into a hang: failed, the hang's text as longrepr, its properties set."""
+    path, lineno, _ = item.location
+    report.outcome = "failed"
+    properties = [
+        (HANG_PROPERTY, "true"),
+        ("torch_hang_timeout", f"{hang.timeout_s:g}"),
+        ("torch_hang_processes", str(len(hang.processes))),
+        (HEADLINE_PROPERTY, hang.headline),
+    ]
+    if json_path:
+        properties.append(("torch_hang_report", json_path))
+    report.longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
+    report.user_properties.extend(properties)
+    if report.when != "teardown":
+        # JUnit XML writes the properties of the teardown report, a copy of the item's
+        item.user_properties.extend(properties)
+
+
+def is_hang(report: pytest.TestReport | pytest.CollectReport) -> bool:
+    return any(k == HANG_PROPERTY for k, _ in getattr(report, "user_properties", ()))
+
+
+def headline(report: pytest.TestReport) -> str:
+    return str(next((v for k, v in report.user_properties if k == HEADLINE_PROPERTY), ""))
+
+
+def from_serializable(data: dict[str, object]) -> pytest.TestReport | None:
+    """A worker's hang report, rebuilt on the pytest-xdist controller with its headline."""
+    if data.get("$report_type") != "TestReport":
+        return None
+    properties = data.get("user_properties")
+    if not isinstance(properties, list) or not any(
+        isinstance(p, (list, tuple)) and p and p[0] == HANG_PROPERTY for p in properties
+    ):
+        return None
+    report = pytest.TestReport._from_json(data)
+    if isinstance(report.longrepr, str):
+        path, lineno, _ = report.location
+        report.longrepr = HangLongRepr(headline(report), report.longrepr, path, (lineno or 0) + 1)
+    return report
+
+
+def github_annotation(report: pytest.TestReport) -> str:
+    """A GitHub Actions ``::error`` line on the test's line for one hang."""
+    path, lineno, _ = report.location
+    message = _gh_data(f"{headline(report)} (the job log has every process's stack)")
+    return f"::error file={_gh_property(path)},line={(lineno or 0) + 1},title=HANG::{message}"
+
+
+def _gh_data(text: str) -> str:
+    """Escape a workflow command's message (GitHub Actions' rules)."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _gh_property(text: str) -> str:
+    """Escape a workflow command's property value (GitHub Actions' rules)."""
+    return _gh_data(text).replace(":", "%3A").replace(",", "%2C")
