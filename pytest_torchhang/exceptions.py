@@ -69,15 +69,15 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
 
 
-def _line_at(code: CodeType, lasti: int) -> int:
-    """The source line of the last instruction at or before ``lasti`` that has one."""
-    line = code.co_firstlineno
+def _nearest_line(code: CodeType, lasti: int) -> tuple[int, int]:
+    """(line, instruction index) of the last instruction at or before ``lasti`` with a line."""
+    line, index = code.co_firstlineno, 0
     for start, _end, number in code.co_lines():
         if start > lasti:
             break
         if number is not None:
-            line = number
-    return line
+            line, index = number, start
+    return line, index
 
 
 def _with_line_numbers(tb: TracebackType) -> TracebackType:
@@ -90,10 +90,11 @@ def _with_line_numbers(tb: TracebackType) -> TracebackType:
         return tb
     rebuilt: TracebackType | None = None
     for entry in reversed(entries):
-        line = entry.tb_lineno
+        line, lasti = entry.tb_lineno, entry.tb_lasti
         if line is None:
-            line = _line_at(entry.tb_frame.f_code, entry.tb_lasti)
-        rebuilt = TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, line)
+            # the index moves too: pytest (through traceback.extract_tb) reads positions at it
+            line, lasti = _nearest_line(entry.tb_frame.f_code, entry.tb_lasti)
+        rebuilt = TracebackType(rebuilt, entry.tb_frame, lasti, line)
     assert rebuilt is not None
     return rebuilt
 
