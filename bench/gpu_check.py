@@ -39,7 +39,8 @@ from pathlib import Path
 
 import psutil
 
-from pytest_torchhang import devices
+from pytest_torchhang.devices.build import torch_build
+from pytest_torchhang.devices.detect import FAKE_GPUS_ENV, detect_gpus
 
 TAG_ENV = "TORCHHANG_GPU_CHECK_TAG"
 HERE = "@HERE@"  # replaced by the scenario's directory in the files below
@@ -376,7 +377,7 @@ def run_scenario(scenario: Scenario, root: Path, hang_timeout: float) -> Outcome
         text = textwrap.dedent(source).replace(HERE, str(directory))
         (directory / name).write_text(text)
     tag = uuid.uuid4().hex
-    dropped = (devices.FAKE_GPUS_ENV, "PYTEST_ADDOPTS")
+    dropped = (FAKE_GPUS_ENV, "PYTEST_ADDOPTS")
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env[TAG_ENV] = tag
     junit = directory / "junit.xml"
@@ -452,17 +453,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="Keep the scenario directories")
     options = parser.parse_args(argv)
 
-    inventory = devices.detect_gpus()
+    inventory = detect_gpus()
     if inventory.fake:
         print(
-            f"no real GPU present: {devices.FAKE_GPUS_ENV} is set (fake GPUs are a testing "
+            f"no real GPU present: {FAKE_GPUS_ENV} is set (fake GPUs are a testing "
             "aid for CPU machines); unset it on a GPU machine to run this check"
         )
         return 0
     if inventory.count == 0:
         print(f"no real GPU present ({inventory.describe()}): nothing to check here")
         return 0
-    build = devices.torch_build()
+    build = torch_build()
     print(
         f"torch {build.version} (CUDA {build.cuda}), {inventory.count} GPU(s): "
         f"{','.join(inventory.devices)} from {inventory.source}"

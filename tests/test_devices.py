@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import itertools
 import json
@@ -15,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from pytest_torchhang import devices
+from pytest_torchhang.devices import build, detect, leases
 
-FAKE = devices.FAKE_GPUS_ENV
+FAKE = detect.FAKE_GPUS_ENV
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench" / "gpu_check.py"
 
@@ -48,7 +49,7 @@ def hold(request):
 @pytest.fixture(autouse=True)
 def clean_device_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inner sessions start from no fake GPUs, no lease or hang timeout from the outer shell."""
-    for name in (FAKE, devices.LEASE_TIMEOUT_ENV, "PYTEST_TORCH_HANG_TIMEOUT", "PYTEST_ADDOPTS"):
+    for name in (FAKE, leases.LEASE_TIMEOUT_ENV, "PYTEST_TORCH_HANG_TIMEOUT", "PYTEST_ADDOPTS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -271,7 +272,7 @@ def test_under_xdist_tests_running_at_the_same_time_never_share_a_gpu(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(FAKE, "4")
-    monkeypatch.setenv(devices.LEASE_TIMEOUT_ENV, "30")
+    monkeypatch.setenv(leases.LEASE_TIMEOUT_ENV, "30")
     records = recording_session(
         pytester,
         """
@@ -346,7 +347,7 @@ def test_gpus_held_by_a_crashed_worker_are_freed_for_its_replacement_and_the_res
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(FAKE, "4")
-    monkeypatch.setenv(devices.LEASE_TIMEOUT_ENV, "20")
+    monkeypatch.setenv(leases.LEASE_TIMEOUT_ENV, "20")
     records = recording_session(
         pytester,
         """
@@ -417,11 +418,11 @@ def test_leased_gpus_are_translated_through_the_sessions_cuda_visible_devices(
     # As detection would report a machine started with CUDA_VISIBLE_DEVICES=GPU-a,GPU-b,7,GPU-d.
     pytester.makeconftest(
         """
-        from pytest_torchhang import devices
+        from pytest_torchhang.devices.detect import GpuInventory
 
         def pytest_sessionstart(session):
             plugin = session.config.pluginmanager.get_plugin("torchhang-devices")
-            plugin._inventory = devices.GpuInventory(("GPU-a", "GPU-b", "7", "GPU-d"), "test")
+            plugin._inventory = GpuInventory(("GPU-a", "GPU-b", "7", "GPU-d"), "test")
         """
     )
     pytester.makepyfile(
@@ -453,7 +454,7 @@ def test_once_a_gpu_test_initialised_cuda_in_process_later_gpu_tests_keep_its_gp
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(FAKE, "4")
-    monkeypatch.setenv(devices.LEASE_TIMEOUT_ENV, "0.3")
+    monkeypatch.setenv(leases.LEASE_TIMEOUT_ENV, "0.3")
     # A stand-in for torch whose CUDA "initialises" in test_a: importing torch costs 3 s.
     pytester.makeconftest(
         """
@@ -508,17 +509,17 @@ def test_once_a_gpu_test_initialised_cuda_in_process_later_gpu_tests_keep_its_gp
 
 
 def test_a_lease_prefers_the_candidates_given_in_order(tmp_path: Path) -> None:
-    leaser = devices.GpuLeaser(str(tmp_path / "leases"))
+    leaser = leases.GpuLeaser(str(tmp_path / "leases"))
     assert leaser.acquire(2, 4, 0, "a", [3, 1, 0, 2]).indices == (1, 3)
-    with pytest.raises(devices.LeaseTimeout, match=r"1 of GPUs 3 after 0s.*GPU 3 held by a"):
+    with pytest.raises(leases.LeaseTimeout, match=r"1 of GPUs 3 after 0s.*GPU 3 held by a"):
         leaser.acquire(1, 4, 0, "b", [3])
 
 
 def test_a_lease_is_all_or_nothing_and_ends_with_release(tmp_path: Path) -> None:
-    leaser = devices.GpuLeaser(str(tmp_path / "leases"))
+    leaser = leases.GpuLeaser(str(tmp_path / "leases"))
     first = leaser.acquire(3, 4, 0, "first")
     assert first.indices == (0, 1, 2)
-    with pytest.raises(devices.LeaseTimeout, match=r"2 of 4 GPUs.*GPU 0 held by first"):
+    with pytest.raises(leases.LeaseTimeout, match=r"2 of 4 GPUs.*GPU 0 held by first"):
         leaser.acquire(2, 4, 0.1, "second")
     single = leaser.acquire(1, 4, 0, "third")  # the failed request kept nothing
     assert single.indices == (3,)
@@ -548,23 +549,89 @@ def test_a_lease_is_all_or_nothing_and_ends_with_release(tmp_path: Path) -> None
 def test_cuda_visible_devices_is_read_the_way_cuda_reads_it(
     value: str | None, physical: int, expected: tuple[str, ...]
 ) -> None:
-    assert devices.visible_devices(value, physical) == expected
+    assert detect.visible_devices(value, physical) == expected
 
 
 def test_fake_gpus_override_detection_and_cuda_visible_devices() -> None:
-    inventory = devices.detect_gpus({FAKE: "3", "CUDA_VISIBLE_DEVICES": ""})
+    inventory = detect.detect_gpus({FAKE: "3", "CUDA_VISIBLE_DEVICES": ""})
     assert (inventory.count, inventory.devices, inventory.fake) == (3, ("0", "1", "2"), True)
 
 
 def test_the_torch_build_is_read_without_importing_torch() -> None:
     code = (
-        "import sys; from pytest_torchhang import devices; b = devices.torch_build(); "
+        "import sys; from pytest_torchhang.devices.build import torch_build; b = torch_build(); "
         "assert 'torch' not in sys.modules; print(b.version, b.known)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     import importlib.metadata
 
     assert out.stdout.split() == [importlib.metadata.version("torch"), "True"]
+
+
+# --- the package: one job a module, imports flowing one way -------------------------------
+
+# Each module of pytest_torchhang.devices and the package modules it may import: the hooks use
+# the leaser and detection, detection reads the torch build, and nothing reaches up to plugin.py.
+DEVICES_IMPORTS = {
+    "__init__": {"devices.detect", "devices.leases", "devices.markers"},
+    "build": set(),
+    "detect": {"devices.build"},
+    "leases": {"settings"},
+    "markers": {"devices.build", "devices.detect", "devices.leases", "settings"},
+}
+
+
+def imported_package_modules(path: Path) -> set[str]:
+    """The modules of pytest_torchhang that the devices module at ``path`` imports."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            module = importlib.util.resolve_name(base, "pytest_torchhang.devices")
+            if node.module:  # from .detect import X: X is a name in detect
+                names.add(module)
+            else:  # from .. import settings: settings is a module
+                names.update(f"{module}.{alias.name}" for alias in node.names)
+    prefix = "pytest_torchhang."
+    return {name.removeprefix(prefix) for name in names if name.startswith(prefix)}
+
+
+def test_each_devices_module_has_one_job_and_imports_only_modules_below_it() -> None:
+    package = Path(build.__file__).parent
+    assert sorted(p.stem for p in package.glob("*.py")) == sorted(DEVICES_IMPORTS)
+    for name, allowed in DEVICES_IMPORTS.items():
+        path = package / f"{name}.py"
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        assert docstring and "\n" not in docstring, f"{path}: wants a one-line docstring"
+        assert imported_package_modules(path) <= allowed, (name, imported_package_modules(path))
+
+
+def test_importing_the_devices_package_starts_no_process_nor_loads_torch() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        started = []
+        sys.addaudithook(
+            lambda event, args: started.append(event)
+            if event in ("subprocess.Popen", "os.fork", "os.posix_spawn", "os.exec") else None
+        )
+        from pytest_torchhang import devices
+        from pytest_torchhang.devices import detect, leases, markers
+        assert not started, started
+        assert "torch" not in sys.modules and "pytest_torchhang.plugin" not in sys.modules
+        # The names plugin.py, fixtures.py and user code use, still at the package's top level.
+        assert devices.DevicePlugin is markers.DevicePlugin
+        assert devices.leased_gpus is markers.leased_gpus
+        assert devices.leased_devices is markers.leased_devices
+        assert devices.fake_gpu_count is detect.fake_gpu_count
+        assert devices.FAKE_GPUS_ENV == detect.FAKE_GPUS_ENV
+        assert devices.LEASE_TIMEOUT_ENV == leases.LEASE_TIMEOUT_ENV
+        assert devices.LEASE_TIMEOUT_INI == leases.LEASE_TIMEOUT_INI
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 # --- bench/gpu_check.py -------------------------------------------------------------------
@@ -574,7 +641,7 @@ def test_the_torch_build_is_read_without_importing_torch() -> None:
 def test_the_gpu_check_exits_cleanly_where_there_is_no_real_gpu(
     monkeypatch: pytest.MonkeyPatch, fake: str | None
 ) -> None:
-    if devices.detect_gpus({}).count and fake is None:
+    if detect.detect_gpus({}).count and fake is None:
         pytest.skip("a real GPU is present: run bench/gpu_check.py itself")
     env = dict(os.environ)
     if fake is not None:
