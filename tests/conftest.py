@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import re
 import shutil
@@ -28,6 +29,19 @@ _SHM_PREFIXES = ("sem.mp-", "torch_", "psm_")
 #: tmpfs), in a mount namespace of its own: the bind is invisible to every other process.
 _PRIVATE_SHM = 'mount --bind "$0" /dev/shm && exec "$@"'
 
+
+#: Tests whose inner sessions import torch (node id prefixes). The rest of the suite also runs
+#: where torch is not installed (the fast tox environments, one per Python version).
+NEEDS_TORCH = (
+    "tests/test_dataloader_hangs.py::",
+    "tests/test_distributed_hangs.py::",
+    "tests/test_examples.py::",
+    "tests/test_fixture_dataloader_distributed.py::",
+    "tests/test_fixture_run.py::",
+    "tests/test_diagnosis_rules.py::",
+    "tests/test_fault_matrix.py::test_crashes_are_reported_as_crashes_at_once",
+    "tests/test_fault_matrix.py::test_the_zygote_start_up",
+)
 
 _HOGS = pytest.StashKey[list[subprocess.Popen[bytes]]]()
 _HOG = "while True: pass"
@@ -54,12 +68,24 @@ def pytest_configure(config: pytest.Config) -> None:
     hogs = config.getoption("cpu_hogs")
     if hogs < 0:
         raise pytest.UsageError(f"--cpu-hogs must be a number of processes >= 0, got {hogs}")
+    config.addinivalue_line(
+        "markers", "needs_torch: the test (or its inner session) imports torch (set by conftest)"
+    )
     if hasattr(config, "workerinput"):  # pytest-xdist: the controller runs them, once
         return
     config.stash[_HOGS] = [
         subprocess.Popen([sys.executable, "-c", _HOG], preexec_fn=_die_with_parent)
         for _ in range(hogs)
     ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    have_torch = importlib.util.find_spec("torch") is not None
+    for item in items:
+        if item.nodeid.startswith(NEEDS_TORCH):
+            item.add_marker(pytest.mark.needs_torch)
+            if not have_torch:
+                item.add_marker(pytest.mark.skip(reason="needs torch, which is not installed"))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
