@@ -58,6 +58,9 @@ class _Registration:
     fork_hook_installed = False
     finder_installed = False
     listener_pid = 0  # the process whose flight-recorder listener runs (not inherited by fork)
+    #: Flight-recorder entries older than this (ns, wall clock) are not this process's: a fork
+    #: copies its parent's ring buffer, and an earlier, destroyed process group leaves entries.
+    group_since_ns = 0
 
 
 def guarded_env() -> dict[str, str]:
@@ -127,15 +130,23 @@ _FR_KEYS = (
 )
 
 
-def _dump_collectives(out_path: str) -> None:
+def _dump_collectives(out_path: str, since_ns: int) -> None:
     import json
     import pickle
 
     try:
         import torch
 
-        raw = torch._C._distributed_c10d._dump_fr_trace()  # type: ignore[attr-defined,unused-ignore]
-        entries = pickle.loads(raw).get("entries", [])
+        dump = torch._C._distributed_c10d._dump_fr_trace  # type: ignore[attr-defined,unused-ignore]
+        try:  # without C++ stack traces: symbolising them takes seconds
+            raw = dump(includeStackTraces=False)
+        except TypeError:  # an older torch without the argument
+            raw = dump()
+        entries = [
+            e
+            for e in pickle.loads(raw).get("entries", [])
+            if (e.get("time_created_ns") or 0) >= since_ns
+        ]
         doc: dict[str, object] = {"entries": [{k: e.get(k) for k in _FR_KEYS} for e in entries]}
     except Exception as exc:  # stacks must still work: the capture reads the error instead
         doc = {"error": f"{type(exc).__name__}: {exc}"}
@@ -145,7 +156,7 @@ def _dump_collectives(out_path: str) -> None:
     os.replace(tmp, out_path)
 
 
-def _serve_collectives(fifo: str, out_path: str) -> None:
+def _serve_collectives(fifo: str, out_path: str, since_ns: int) -> None:
     while True:
         try:
             fd = os.open(fifo, os.O_RDONLY)  # blocks until the capture opens the other end
@@ -153,18 +164,19 @@ def _serve_collectives(fifo: str, out_path: str) -> None:
                 os.read(fd, 64)
             finally:
                 os.close(fd)
-            _dump_collectives(out_path)
+            _dump_collectives(out_path, since_ns)
         except Exception:
             return
 
 
-def start_collectives_listener() -> bool:
+def start_collectives_listener(since_ns: int | None = None) -> bool:
     """Answer flight-recorder requests from a daemon thread of this process (ranks only).
 
     A Python signal handler would not run while the rank's main thread waits in C++; this thread
     blocks on a FIFO in the dump directory and, when the capture writes to it, writes the
     entries of ``torch._C._distributed_c10d._dump_fr_trace()`` next to the stack dump.
-    Started once per process, after ``init_process_group``; returns False when there is no dump
+    Started once per process, after ``init_process_group``; ``since_ns`` (wall clock, ns) is
+    when that call began: older entries are left out. Returns False when there is no dump
     directory or it cannot start.
     """
     dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
@@ -182,7 +194,7 @@ def start_collectives_listener() -> bool:
 
     thread = threading.Thread(
         target=_serve_collectives,
-        args=(fifo, collectives_path(dump_dir, pid)),
+        args=(fifo, collectives_path(dump_dir, pid), since_ns or _Registration.group_since_ns),
         name="torch-hang flight recorder",
         daemon=True,
     )
@@ -199,6 +211,9 @@ def _wrap_init(module: object) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: object, **kwargs: object) -> object:
+        import time
+
+        _Registration.group_since_ns = time.time_ns()
         result = init(*args, **kwargs)
         start_collectives_listener()
         return result

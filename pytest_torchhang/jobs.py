@@ -97,6 +97,7 @@ def rank_main(
         import torch
 
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES holds this rank's own GPU
+    since_ns = time.time_ns()  # flight-recorder entries older than this are not this group's
     store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
     store.set_timeout(timedelta(seconds=init_timeout_s))
     dist.init_process_group(
@@ -106,7 +107,7 @@ def rank_main(
         world_size=world_size,
         timeout=timedelta(seconds=pg_timeout_s),
     )
-    _hook.start_collectives_listener()  # no-op where the import hook already started it
+    _hook.start_collectives_listener(since_ns)  # no-op where the import hook started it
     result = fn(rank, world_size, *args, **kwargs)
     dist.destroy_process_group()
     return result

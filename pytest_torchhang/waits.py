@@ -17,6 +17,7 @@ from .stacks import ThreadStack
 
 #: The whole read is bounded: past this, threads keep their syscall but objects are not resolved.
 BUDGET_S = 0.5
+_TICKS = os.sysconf("SC_CLK_TCK")
 #: At most this many threads are read per process (a torch process may run dozens of idle ones).
 MAX_TASKS = 64
 #: At most this many descriptors of one poll/select are followed.
@@ -24,7 +25,7 @@ MAX_POLL_FDS = 64
 
 _X86_64 = {
     0: "read", 1: "write", 7: "poll", 17: "pread64", 19: "readv", 20: "writev", 23: "select",
-    24: "sched_yield", 34: "pause", 35: "nanosleep", 42: "connect", 43: "accept", 44: "sendto",
+    24: "sched_yield", 34: "pause", 62: "kill", 200: "tkill", 234: "tgkill", 35: "nanosleep", 42: "connect", 43: "accept", 44: "sendto",
     45: "recvfrom", 46: "sendmsg", 47: "recvmsg", 61: "wait4", 65: "semop", 72: "fcntl",
     73: "flock", 128: "rt_sigtimedwait", 130: "rt_sigsuspend", 202: "futex", 219: "restart_syscall",
     220: "semtimedop", 230: "clock_nanosleep", 232: "epoll_wait", 247: "waitid", 257: "openat",
@@ -291,11 +292,15 @@ class _Reader:
             if not pids:
                 # a blocked read means a writer exists (else it would read EOF): outside the tree
                 task.waits_for.append(
-                    WaitEdge(-1, 0, f"{target}: only processes outside the tree hold its {role} end")
+                    WaitEdge(
+                        -1, 0, f"{target}, whose {role} end only processes outside the tree hold"
+                    )
                 )
             for other in pids:
                 own = " (its own copy)" if other == pid else ""
-                task.waits_for.append(WaitEdge(other, 0, f"{target}: holds its {role} end{own}"))
+                task.waits_for.append(
+                    WaitEdge(other, 0, f"{target}, whose {role} end it holds{own}")
+                )
         elif target.startswith("socket:"):
             inode = target[len("socket:[") : -1]
             peer = self._socket_peer(inode)
@@ -305,10 +310,12 @@ class _Reader:
             owners = sorted({h for h, _ in self.holders(f"socket:[{peer_inode}]")})
             if not owners:
                 task.waits_for.append(
-                    WaitEdge(-1, 0, f"{kind} {target}{where}: its peer is outside the tree")
+                    WaitEdge(-1, 0, f"{kind} {target}{where}, whose peer is outside the tree")
                 )
             for other in owners:
-                task.waits_for.append(WaitEdge(other, 0, f"{kind} {target}{where}: holds the peer"))
+                task.waits_for.append(
+                    WaitEdge(other, 0, f"{kind} {target}{where}, whose peer it holds")
+                )
         elif target.startswith("/") and not target.startswith(("/dev/", "/proc/")):
             task.waits_for.append(WaitEdge(-1, 0, f"file {target}"))
 
@@ -367,11 +374,15 @@ class _Reader:
         ]
         threads = len(os.listdir(f"/proc/{pid}/task"))
         if not sharers and threads <= 1:
-            task.waits_for.append(WaitEdge(0, 0, f"{path}: mapped by no other process of the tree"))
+            task.waits_for.append(
+                WaitEdge(0, 0, f"{path}, which no other process of the tree maps")
+            )
         if threads > 1:
-            task.waits_for.append(WaitEdge(pid, 0, f"{path}: another thread of this process"))
+            task.waits_for.append(
+                WaitEdge(pid, 0, f"{path}, which another thread of this process may post")
+            )
         for other in sharers:
-            task.waits_for.append(WaitEdge(other, 0, f"{path}: mapped there too"))
+            task.waits_for.append(WaitEdge(other, 0, f"{path}, which it maps too"))
 
     def _file_lock(self, pid: int, task: TaskWait, fd: int) -> None:
         path = self.fds(pid).get(fd, f"fd {fd}")
@@ -382,7 +393,7 @@ class _Reader:
         for holder in held:
             known = holder in self.pids or holder <= 0
             task.waits_for.append(
-                WaitEdge(holder if known else -1, 0, f"holds the lock on {path}")
+                WaitEdge(holder if known else -1, 0, f"the lock it holds on {path}")
                 if holder > 0
                 else WaitEdge(-1, 0, f"an open-file-description lock on {path}")
             )
@@ -396,7 +407,7 @@ class _Reader:
         wanted = [target] if target > 0 else children
         task.obj = f"waits for child {target} to exit" if target > 0 else "waits for any child"
         for child in wanted:
-            task.waits_for.append(WaitEdge(child, 0, "its exit (the parent waits for it)"))
+            task.waits_for.append(WaitEdge(child, 0, "its exit (the parent waits for its child)"))
         if not wanted:
             task.waits_for.append(WaitEdge(0, 0, "no child left to wait for"))
 
@@ -466,6 +477,15 @@ def _parse_unix_msg(msg: bytes, peers: dict[str, str]) -> None:
         offset += (length + 3) & ~3
 
 
+def _age(pid: int) -> float:
+    """Seconds since ``pid`` started (infinite when unreadable)."""
+    stat = _stat(f"/proc/{pid}/stat")
+    try:
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - int(stat[19]) / _TICKS
+    except (ValueError, IndexError):
+        return float("inf")
+
+
 def _member(reader: _Reader, pid: int) -> Member:
     stat = _stat(f"/proc/{pid}/stat")
     if not stat:
@@ -489,12 +509,16 @@ def _member(reader: _Reader, pid: int) -> Member:
 
 
 def read(
-    pids: Iterable[int], skip_tids: set[int] | None = None, budget_s: float = BUDGET_S
+    pids: Iterable[int],
+    skip_tids: set[int] | None = None,
+    budget_s: float = BUDGET_S,
+    newer_than_s: float | None = None,
 ) -> Evidence:
     """What every thread of ``pids`` (and their zombie children) waits for, bounded by ``budget_s``.
 
-    ``skip_tids``: threads of the calling process that belong to the capture itself. Nothing is
-    signalled or traced; files that cannot be read leave their fields empty.
+    ``skip_tids``: threads of the calling process that belong to the capture itself;
+    ``newer_than_s``: zombies older than this are left out (an earlier test's leftovers).
+    Nothing is signalled or traced; files that cannot be read leave their fields empty.
     """
     start = time.monotonic()
     wanted = list(dict.fromkeys(pids))
@@ -508,7 +532,8 @@ def read(
         for child in _children(pid):
             if child not in evidence.members:
                 member = _member(reader, child)
-                if member.gone:
+                # (start times are counted in clock ticks: allow one)
+                if member.gone and (newer_than_s is None or _age(child) <= newer_than_s + 0.05):
                     evidence.members[child] = member
     if reader.late():
         evidence.notes.append(
@@ -516,6 +541,22 @@ def read(
         )
     evidence.read_s = time.monotonic() - start
     return evidence
+
+
+def cpu_s(pid: int, skip_tids: set[int] | None = None) -> float:
+    """CPU seconds of ``pid``'s threads, without ``skip_tids`` (the capture's own threads)."""
+    ticks = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        if skip_tids and int(tid) in skip_tids:
+            continue
+        stat = _stat(f"/proc/{pid}/task/{tid}/stat")
+        with contextlib.suppress(ValueError, IndexError):
+            ticks += int(stat[11]) + int(stat[12])
+    return ticks / _TICKS
 
 
 def state_word(letter: str) -> str:
@@ -699,4 +740,3 @@ def attach(
 
 #: Flight-recorder entries kept per rank (the newest).
 MAX_COLLECTIVES = 8
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -1,0 +1,121 @@
+"""Corpus: gloo ranks forked from the pytest process (which has not run a torch op)."""
+
+import fcntl
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "100")  # the plugin sets it in guarded trees too
+
+
+def _warm_up(store):
+    """Import what DDP imports lazily, here, once: forked ranks then start in milliseconds."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    model(torch.ones(1, 2)).sum().backward()
+    dist.destroy_process_group()
+
+
+_warm_up(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"torchhang-corpus-warm-{os.getpid()}"))
+
+
+def _join(rank, store):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+
+
+def _ddp_uneven(rank, store):
+    _join(rank, store)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    for _ in range(2 if rank == 0 else 1):  # uneven inputs: rank 0 has one more batch
+        model(torch.ones(4, 8)).sum().backward()
+    dist.barrier()  # rank 1 is done and waits for the others
+
+
+def test_distributed_ddp_uneven_inputs(tmp_path):
+    tmp.start_processes(_ddp_uneven, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_head):
+        x = self.body(x)
+        return self.head(x) if use_head else x
+
+
+def _ddp_skipped_head(rank, store):
+    _join(rank, store)
+    model = torch.nn.parallel.DistributedDataParallel(TwoHeads())  # find_unused_parameters=False
+    model(torch.ones(4, 8), use_head=rank == 0).sum().backward()
+    dist.barrier()
+
+
+def test_distributed_ddp_head_skipped_on_one_rank(tmp_path):
+    tmp.start_processes(
+        _ddp_skipped_head, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork"
+    )
+
+
+def _mismatch(rank, store):
+    _join(rank, store)
+    dist.all_reduce(torch.ones(16))
+    if rank == 0:
+        dist.all_reduce(torch.ones(1024))
+    else:
+        dist.barrier()
+
+
+def test_distributed_different_collectives(tmp_path):
+    tmp.start_processes(_mismatch, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")
+
+
+def _late(rank, store):
+    _join(rank, store)
+    if rank == 1:
+        time.sleep(1000)  # stuck before the collective its peer already waits in
+    dist.barrier()
+
+
+def test_distributed_rank_never_reaches_the_collective(tmp_path):
+    tmp.start_processes(_late, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")
+
+
+def _flock_then_barrier(rank, store, lock_path):
+    _join(rank, store)
+    with open(lock_path) as f:
+        if rank == 1:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            dist.barrier()
+        else:
+            time.sleep(0.5)
+            fcntl.flock(f, fcntl.LOCK_EX)  # held by rank 1, which waits for us in barrier
+            dist.barrier()
+
+
+def test_distributed_file_lock_cycle(tmp_path):
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    tmp.start_processes(
+        _flock_then_barrier, args=(str(tmp_path / "s"), str(lock)), nprocs=2, start_method="fork"
+    )
+
+
+def _rank_main(rank, store):
+    if rank == 1:
+        os._exit(1)  # a bad argument, a missing file: it dies before init_process_group
+    _join(rank, store)
+
+
+def test_distributed_rank_died_before_init(tmp_path):
+    ctx = tmp.get_context("fork")
+    ranks = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "s"))) for r in range(2)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()  # rank 0 first: rank 1 stays a zombie meanwhile

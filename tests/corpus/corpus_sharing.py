@@ -1,0 +1,178 @@
+"""Corpus: hangs in sharing data and resources between processes (no torch op in the children)."""
+
+import fcntl
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+FORK = mp.get_context("fork")
+
+
+def test_sharing_thread_join_while_holding_its_lock():
+    lock = threading.Lock()
+    with lock:
+        worker = threading.Thread(target=lambda: lock.acquire(), daemon=True)
+        worker.start()
+        worker.join()
+
+
+def _put_a_lot(queue):
+    queue.put(b"x" * (1 << 20))  # more than a pipe holds: the feeder flushes it at exit
+
+
+def test_sharing_join_before_draining_a_queue():
+    queue = FORK.Queue()
+    child = FORK.Process(target=_put_a_lot, args=(queue,))
+    child.start()
+    child.join()  # before queue.get()
+    queue.get()
+
+
+def _census(lock, counts, index):
+    lock.acquire()
+    if index == 0:
+        return  # an early return: the Manager's lock is never released
+    counts[index] = 1
+    lock.release()
+
+
+def test_sharing_manager_lock_leaked():
+    with FORK.Manager() as manager:
+        lock, counts = manager.Lock(), manager.dict()
+        for batch in ([0], [1, 2]):
+            workers = [FORK.Process(target=_census, args=(lock, counts, i)) for i in batch]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+
+
+def _square(x):
+    if x == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer, in real life
+    return x * x
+
+
+def test_sharing_pool_map_worker_killed():
+    pool = FORK.Pool(2)
+    pool.map(_square, range(8))
+
+
+def _wait_for(event):
+    event.wait()
+
+
+def test_sharing_child_waits_for_an_event_the_parent_sets_after_join():
+    event = FORK.Event()
+    child = FORK.Process(target=_wait_for, args=(event,))
+    child.start()
+    child.join()
+    event.set()
+
+
+READY = threading.Event()
+
+
+def test_sharing_threading_event_in_a_forked_child():
+    threading.Thread(target=lambda: (time.sleep(60), READY.set()), daemon=True).start()
+    child = FORK.Process(target=READY.wait)  # the thread that sets it is not copied by fork
+    child.start()
+    child.join()
+
+
+def _read_all(read_fd):
+    while os.read(read_fd, 4096):
+        pass
+
+
+def test_sharing_child_reads_a_pipe_it_never_closed():
+    read_fd, write_fd = os.pipe()
+    child = FORK.Process(target=_read_all, args=(read_fd,))  # inherits write_fd too
+    child.start()
+    os.write(write_fd, b"data")
+    os.close(write_fd)  # the parent is done writing; the child's copy keeps the pipe open
+    child.join()
+
+
+def test_sharing_popen_wait_while_the_child_reads_stdin():
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    child.wait()  # stdin is never closed
+
+
+def test_sharing_popen_child_stopped():
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"
+    subprocess.Popen([sys.executable, "-c", code]).wait()
+
+
+def _die(conn):
+    os._exit(3)  # crashes before sending its result
+
+
+def test_sharing_child_died_before_sending():
+    parent_end, child_end = FORK.Pipe(duplex=False)
+    child = FORK.Process(target=_die, args=(child_end,))
+    child.start()
+    parent_end.recv()  # the parent's own child_end keeps the pipe open
+
+
+def _lock_both(first, second, ready, go):
+    with open(first) as a:
+        fcntl.flock(a, fcntl.LOCK_EX)
+        ready.release()
+        go.acquire()
+        with open(second) as b:
+            fcntl.flock(b, fcntl.LOCK_EX)
+
+
+def test_sharing_two_children_take_two_file_locks_in_opposite_order(tmp_path):
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for path in paths:
+        open(path, "w").close()
+    ready, go = FORK.Semaphore(0), FORK.Semaphore(0)
+    children = [
+        FORK.Process(target=_lock_both, args=(paths[i], paths[1 - i], ready, go)) for i in range(2)
+    ]
+    for child in children:
+        child.start()
+    ready.acquire()
+    ready.acquire()
+    go.release()
+    go.release()
+    for child in children:
+        child.join()
+
+
+def _hold(path):
+    with open(path) as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        time.sleep(1000)
+
+
+def _take(path):
+    time.sleep(0.3)
+    with open(path) as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+
+
+def test_sharing_file_lock_held_by_a_sleeping_child(tmp_path):
+    path = str(tmp_path / "lock")
+    open(path, "w").close()
+    holder = FORK.Process(target=_hold, args=(path,))
+    holder.start()
+    waiter = FORK.Process(target=_take, args=(path,))
+    waiter.start()
+    waiter.join()
+
+
+def test_sharing_popen_communicate_with_a_sleeping_child():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"]).communicate()
+
+
+def test_sharing_the_test_itself_sleeps():
+    time.sleep(1000)

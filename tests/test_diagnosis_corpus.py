@@ -1,0 +1,192 @@
+"""The labelled corpus of real hangs: every hint rule scored right / wrong / silent; no wrong firing."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from conftest import GuardedRunner
+
+CORPUS = Path(__file__).parent / "corpus"
+
+
+@dataclass(frozen=True)
+class Label:
+    """What a scenario's report must say: the rules that may explain it (the first is the one
+    expected; the others tell the same story from other evidence), facts the text of those
+    hints must name, and a role among the processes they name (the stuck one, in user terms)."""
+
+    rules: tuple[str, ...]
+    facts: tuple[str, ...] = ()
+    role: str = ""
+
+
+def _label(rules: str, *facts: str, role: str = "") -> Label:
+    return Label(tuple(rules.split()), tuple(f.lower() for f in facts), role)
+
+
+LABELS: dict[str, Label] = {
+    # data loading
+    "test_loading_worker_stopped": _label(
+        "stopped", "is stopped", "DataLoader's _try_get_data", role="DataLoader worker 0/2"
+    ),
+    "test_loading_workers_wait_for_an_event_set_after_the_first_batch": _label(
+        "deadlock", "multiprocessing Event.wait()", role="DataLoader worker"
+    ),
+    "test_loading_iterable_worker_spins": _label(
+        "busy", "Waiting for DataLoader worker 0/1", role="DataLoader worker 0/1"
+    ),
+    "test_loading_lock_held_at_fork": _label(
+        "worker_lock", "held by another thread when the workers were forked", role="DataLoader"
+    ),
+    "test_loading_lock_taken_twice": _label(
+        "worker_lock", "nothing in the worker will release", role="DataLoader worker"
+    ),
+    "test_loading_future_result_after_fork": _label(
+        "nobody", "Future.result()", "not copied by fork", role="DataLoader worker 0/1"
+    ),
+    "test_loading_worker_reads_a_silent_pipe": _label(
+        "pipe", "block reading a pipe", "its own copy", role="DataLoader worker 0/1"
+    ),
+    "test_loading_worker_sleeps": _label("sleeper", "sleeps at", role="DataLoader worker 0/1"),
+    "test_loading_workers_wait_for_a_multiprocessing_lock_the_parent_holds": _label(
+        "deadlock", "multiprocessing Lock.acquire()", role="DataLoader worker"
+    ),
+    "test_loading_workers_wait_for_a_file_lock_the_parent_holds": _label(
+        "deadlock", "fcntl.flock", role="DataLoader worker"
+    ),
+    "test_loading_openmp_after_the_parent_ran_ops": _label(
+        "openmp_after_fork", "OpenMP after fork", role="DataLoader worker 0/1"
+    ),
+    # data sharing and resources between processes
+    "test_sharing_thread_join_while_holding_its_lock": _label(
+        "nobody", "Thread.join()", role="pytest"
+    ),
+    "test_sharing_join_before_draining_a_queue": _label(
+        "queue_join", "Drain the queue", role="multiprocessing"
+    ),
+    "test_sharing_manager_lock_leaked": _label(
+        "manager", "Manager server is blocked", role="multiprocessing.Process(target=_census)"
+    ),
+    "test_sharing_pool_map_worker_killed": _label(
+        "pool_lost", "Pool.map()", "Pool workers are idle", role="Pool worker"
+    ),
+    "test_sharing_child_waits_for_an_event_the_parent_sets_after_join": _label(
+        "deadlock", "multiprocessing Event.wait()", "Process.join()", role="multiprocessing"
+    ),
+    "test_sharing_threading_event_in_a_forked_child": _label(
+        "nobody", "Event.wait()", "only thread of its process", role="multiprocessing"
+    ),
+    "test_sharing_child_reads_a_pipe_it_never_closed": _label(
+        "pipe", "itself (its own copy)", role="multiprocessing.Process(target=_read_all)"
+    ),
+    "test_sharing_popen_wait_while_the_child_reads_stdin": _label(
+        "pipe", "Popen.wait()", role="Python child"
+    ),
+    "test_sharing_popen_child_stopped": _label(
+        "stopped", "is stopped", "Popen.wait()", role="Python child"
+    ),
+    "test_sharing_child_died_before_sending": _label(
+        "dead pipe", "exited with code 3", role="exited child"
+    ),
+    "test_sharing_two_children_take_two_file_locks_in_opposite_order": _label(
+        "deadlock", "fcntl.flock", role="multiprocessing.Process(target=_lock_both)"
+    ),
+    "test_sharing_file_lock_held_by_a_sleeping_child": _label(
+        "sleeper", "the lock it holds", role="multiprocessing.Process(target=_hold)"
+    ),
+    "test_sharing_popen_communicate_with_a_sleeping_child": _label(
+        "sleeper", "Popen.communicate()", role="Python child"
+    ),
+    "test_sharing_the_test_itself_sleeps": _label(""),  # nothing to explain: no hint may fire
+    # distributed: gloo ranks
+    "test_distributed_ddp_uneven_inputs": _label(
+        "collectives", "rank 1/2 in barrier", "Flight recorder", "from DDP's forward", role="rank"
+    ),
+    "test_distributed_ddp_head_skipped_on_one_rank": _label(
+        "collectives", "from DDP's backward", "rank 1/2 in barrier", role="rank"
+    ),
+    "test_distributed_different_collectives": _label(
+        "collectives", "rank 0/2 in all_reduce, rank 1/2 in barrier", "is in #2", role="rank"
+    ),
+    "test_distributed_rank_never_reaches_the_collective": _label(
+        "collectives", "rank 1/2 at _late", role="rank"
+    ),
+    "test_distributed_file_lock_cycle": _label(
+        "collectives", "fcntl.flock", "a cycle", role="rank 0/2"
+    ),
+    # the dead rank is a zombie until its parent joins it, if nothing reaps it first: then
+    # only the rendezvous that waits for it remains to tell
+    "test_distributed_rank_died_before_init": _label(
+        "dead collectives", "init_process_group", role="_rank_main"
+    ),
+}
+
+
+def _reports(folder: Path) -> dict[str, dict[str, Any]]:
+    """The first hang report of each test, by test name."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted(folder.glob("*.json")):
+        doc = json.loads(path.read_text())
+        name = doc["test_id"].split("::")[-1]
+        if name not in out or doc["created"] < out[name]["created"]:
+            out[name] = doc
+    return out
+
+
+def _score(label: Label, doc: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """(rule, verdict, why): right or wrong for every rule that fired, silent when none of the
+    label's rules did (counted under its first rule)."""
+    fired = [h for h in (doc or {}).get("hints", []) if h["rule"] != "none"]
+    out = [(h["rule"], "wrong", h["text"][:300]) for h in fired if h["rule"] not in label.rules]
+    good = [h for h in fired if h["rule"] in label.rules]
+    if label.rules and not good:
+        return [*out, (label.rules[0], "silent", "no hang report" if doc is None else "")]
+    text = " ".join(h["text"] for h in good).lower()
+    roles = {p["pid"]: p["role"] for p in (doc or {}).get("processes", [])}
+    named = {roles.get(pid, "") for h in good for pid in h["pids"]}
+    missing = [fact for fact in label.facts if fact not in text]
+    for rule in dict.fromkeys(h["rule"] for h in good):
+        if missing:
+            out.append((rule, "wrong", f"the hint does not say {missing}: {text[:300]}"))
+        elif label.role and not any(label.role in role for role in named):
+            out.append((rule, "wrong", f"it names {sorted(named)}, no {label.role!r}"))
+        else:
+            out.append((rule, "right", ""))
+    return out
+
+
+def test_every_rule_is_right_or_silent_on_the_corpus_of_real_hangs(
+    guarded: GuardedRunner,
+) -> None:
+    files = {f"test_{p.stem}": p.read_text() for p in sorted(CORPUS.glob("corpus_*.py"))}
+    guarded.pytester.makepyfile(**files)
+    reports = guarded.pytester.path / "reports"
+    session = guarded.run(f"--torch-hang-report-dir={reports}", timeout=3, wait_s=900)
+    docs = _reports(reports)
+    assert set(LABELS) <= {item.split("::")[-1] for item in docs} | set(LABELS)
+
+    table: dict[str, Counter[str]] = {}
+    wrong: list[str] = []
+    for name, label in LABELS.items():
+        for rule, verdict, why in _score(label, docs.get(name)):
+            table.setdefault(rule, Counter())[verdict] += 1
+            if verdict == "wrong":
+                wrong.append(f"{name}: {rule}: {why}")
+    lines = [f"{'rule':<20} {'right':>5} {'wrong':>5} {'silent':>6}"]
+    for rule, counts in sorted(table.items()):
+        lines.append(f"{rule:<20} {counts['right']:>5} {counts['wrong']:>5} {counts['silent']:>6}")
+    print("\n".join(lines))
+    print(f"{len(LABELS)} scenarios, {len(docs)} hang reports, wall {session.wall_s:.0f}s")
+    assert len(LABELS) >= 30
+    assert not wrong, "\n".join(wrong)
+    explained = sum(
+        1
+        for name, label in LABELS.items()
+        if label.rules and any(v == "right" for _, v, _ in _score(label, docs.get(name)))
+    )
+    assert explained >= 0.8 * sum(1 for label in LABELS.values() if label.rules), "\n".join(lines)
+    session.assert_clean()
