@@ -156,7 +156,8 @@ def _take_over(
     report.hints.insert(
         0,
         Hint(
-            f"{why}: its thread is blocked in C code holding the GIL (or the process is frozen), "
+            f"{why}: its {'pytest thread' if spare_root else 'main thread'} is blocked in C "
+            "code holding the GIL (or the process is frozen), "
             f"so nothing inside it can move. {ending}; the stack of the pytest process below "
             "shows the call that blocks.",
             [f"pytest (pid {pytest_pid})"],

@@ -22,6 +22,7 @@ from . import settings
 
 if TYPE_CHECKING:
     from .fixtures import TorchHang
+    from .report import HangReport
     from .session import GuardSession
     from .watchdog import TestDeadline
 
@@ -31,6 +32,7 @@ SUPPORTED = sys.platform.startswith("linux")
 EXIT_GRACE_S = 15.0
 
 _SESSION = pytest.StashKey["GuardSession"]()
+_PER_TEST = "torchhang-per-test"
 _ITEM_SETTINGS = pytest.StashKey[settings.ItemSettings]()
 
 _TORCH_HANG_HELP = (
@@ -142,6 +144,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     session_settings = state.settings if state is not None else settings.session_settings(config)
     for item in items:  # validate every marker now: a bad one is a usage error, not a late surprise
         item.stash[_ITEM_SETTINGS] = settings.item_settings(item, session_settings)
+    if (
+        state is not None
+        and not config.pluginmanager.has_plugin(_PER_TEST)
+        and _needs_per_test_hooks(config, items)
+    ):
+        config.pluginmanager.register(_PerTestHooks(state), _PER_TEST)
 
 
 def _deadline(item: pytest.Item) -> TestDeadline | None:
@@ -150,40 +158,10 @@ def _deadline(item: pytest.Item) -> TestDeadline | None:
     return item.stash.get(DEADLINE, None)
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_protocol(
-    item: pytest.Item, nextitem: pytest.Item | None
-) -> Generator[None, object, object]:
-    state = item.config.stash.get(_SESSION, None)
-    if state is None:
-        return (yield)
-    item_settings = item.stash.get(_ITEM_SETTINGS, None) or settings.item_settings(
-        item, state.settings
-    )
-    if item_settings.timeout > 0:
-        state.arm(item, item_settings.timeout)
-    try:
-        return (yield)
-    finally:
-        from .session import DEADLINE
+def _forget_deadline(item: pytest.Item) -> None:
+    from .session import DEADLINE
 
-        held = item.stash.get(DEADLINE, None)
-        if held is not None:
-            state.finish(held)
-            del item.stash[DEADLINE]
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_fixture_setup(
-    fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
-) -> Generator[None, object, object]:
-    """Processes a module-, class- or session-scoped fixture starts are that fixture's: context
-    for every test's hang and for the session's end, even when a test's setup started them."""
-    state = request.config.stash.get(_SESSION, None)
-    if state is None or fixturedef.scope == "function" or state.current is None:
-        return (yield)
-    with state.fixture_processes():
-        return (yield)
+    del item.stash[DEADLINE]
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest-timeout may be disabled
@@ -222,70 +200,6 @@ def pytest_exception_interact(node: pytest.Item | pytest.Collector) -> None:
     held = _deadline(node)
     if held is not None:
         state.disarm(held)
-
-
-def _phase(item: pytest.Item, name: str) -> Generator[None, object, object]:
-    held = _deadline(item) if item.config.stash.get(_SESSION, None) is not None else None
-    if held is None:
-        return (yield)
-    held.enter_phase(name)
-    try:
-        return (yield)
-    finally:
-        held.leave_phase()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
-    return (yield from _phase(item, "setup"))
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
-    return (yield from _phase(item, "call"))
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(
-    item: pytest.Item, nextitem: pytest.Item | None
-) -> Generator[None, object, object]:
-    return (yield from _phase(item, "teardown"))
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    state = item.config.stash.get(_SESSION, None)
-    if state is None:
-        return (yield)
-    from .exceptions import HangError, make_renderable
-
-    held = _deadline(item)
-    raised = call.excinfo.value if call.excinfo is not None else None
-    # An interrupt may leave a traceback entry without a line number: pytest must be able to
-    # render it (else: INTERNALERROR, and the session ends).
-    guarded = held is not None or isinstance(raised, HangError)
-    if raised is not None and guarded and make_renderable(raised):
-        call.excinfo = pytest.ExceptionInfo.from_exception(raised)
-    report = yield
-    from .session import PIPELINE_WAIT_S
-
-    fresh = held.take_reports(PIPELINE_WAIT_S) if held is not None and held.fired else []
-    if fresh:
-        _mark_hang(state, item, report, fresh[-1])
-    elif isinstance(raised, HangError) and raised.report is not None:
-        _mark_hang(state, item, report, raised.report)  # from the fixture or an isolated test
-    return report
-
-
-def _mark_hang(
-    state: GuardSession, item: pytest.Item, report: pytest.TestReport, hang: Any
-) -> None:
-    from . import testreport
-
-    testreport.mark_hang(item, report, hang, state.json_path(hang, item.nodeid))
-    state.hangs.append((item.nodeid, hang.headline))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -332,8 +246,8 @@ def pytest_terminal_summary(
         for line in state.leftovers:
             write(line)
         write(
-            f"killed {len(state.leftovers)} process(es) that tests started and left running "
-            "(they would have blocked pytest's exit or outlived it)"
+            f"killed {len(state.leftovers)} process(es) at session end: tests started them and "
+            "left them running (they would have blocked pytest's exit or outlived it)"
         )
     stats = terminalreporter.stats
     hangs = [r for r in stats.get("failed", []) + stats.get("error", []) if testreport.is_hang(r)]
@@ -360,6 +274,8 @@ def torch_hang(request: pytest.FixtureRequest) -> TorchHang:
         pytest.skip(f"the torch_hang fixture needs Linux (this is {sys.platform})")
     from . import devices, fixtures
 
+    if not request.config.pluginmanager.has_plugin(_PER_TEST):  # requested dynamically
+        request.config.pluginmanager.register(_PerTestHooks(state), _PER_TEST)
     node = request.node
 
     def deadline() -> float | None:
@@ -375,21 +291,135 @@ def torch_hang(request: pytest.FixtureRequest) -> TorchHang:
     )
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    item_settings = pyfuncitem.stash.get(_ITEM_SETTINGS, None)
-    state = pyfuncitem.config.stash.get(_SESSION, None)
-    if item_settings is None or not item_settings.isolate or state is None:
-        return None
-    from . import fixtures
+def _needs_per_test_hooks(config: pytest.Config, items: list[pytest.Item]) -> bool:
+    """Whether any test of this session can be guarded, or use the fixture or ``isolate``.
 
-    names = pyfuncitem._fixtureinfo.argnames
-    funcargs = {name: pyfuncitem.funcargs[name] for name in names}
-    held = _deadline(pyfuncitem)
-    timeout = (
-        max(held.deadline - time.monotonic() - fixtures.MARGIN_S, 0.1)
-        if held is not None
-        else fixtures.DEFAULT_TIMEOUT_S
-    )
-    fixtures.run_isolated(state.get_runner(), pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout)
-    return True
+    Without one, the per-test hooks are never registered: the plugin then costs a passing test
+    nothing but pytest's own call of the few hooks below.
+    """
+    state = config.stash.get(_SESSION, None)
+    if state is None:
+        return False
+    if state.settings.timeout > 0:
+        return True
+    timeout_plugin = getattr(getattr(config, "_env_timeout", None), "timeout", None)
+    if timeout_plugin:  # pytest-timeout's --timeout / ini / PYTEST_TIMEOUT: taken over here
+        return True
+    for item in items:
+        item_settings = item.stash.get(_ITEM_SETTINGS, None)
+        if item_settings is not None and (item_settings.timeout > 0 or item_settings.isolate):
+            return True
+        if "torch_hang" in getattr(item, "fixturenames", ()):
+            return True
+        if item.get_closest_marker("timeout") is not None:
+            return True
+    return False
+
+
+class _PerTestHooks:
+    """The hooks that run for every test: registered only in sessions that can need them."""
+
+    def __init__(self, state: GuardSession) -> None:
+        self.state = state
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, object, object]:
+        state = self.state
+        item_settings = item.stash.get(_ITEM_SETTINGS, None) or settings.item_settings(
+            item, state.settings
+        )
+        if item_settings.timeout > 0:
+            state.arm(item, item_settings.timeout)
+        try:
+            return (yield)
+        finally:
+            held = _deadline(item)
+            if held is not None:
+                state.finish(held)
+                _forget_deadline(item)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(
+        self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
+    ) -> Generator[None, object, object]:
+        """Processes a module-, class- or session-scoped fixture starts are that fixture's:
+        context for every test's hang and for the session's end, even when a test's setup
+        started them."""
+        if fixturedef.scope == "function" or self.state.current is None:
+            return (yield)
+        with self.state.fixture_processes():
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, object, object]:
+        return (yield from _phase(item, "setup"))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
+        return (yield from _phase(item, "call"))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, object, object]:
+        return (yield from _phase(item, "teardown"))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        from .exceptions import HangError, make_renderable
+        from .session import PIPELINE_WAIT_S
+
+        held = _deadline(item)
+        raised = call.excinfo.value if call.excinfo is not None else None
+        # An interrupt may leave a traceback entry without a line number: pytest must be able
+        # to render it (else: INTERNALERROR, and the session ends).
+        guarded = held is not None or isinstance(raised, HangError)
+        if raised is not None and guarded and make_renderable(raised):
+            call.excinfo = pytest.ExceptionInfo.from_exception(raised)
+        report = yield
+        fresh = held.take_reports(PIPELINE_WAIT_S) if held is not None and held.fired else []
+        if fresh:
+            self._mark_hang(item, report, fresh[-1])
+        elif isinstance(raised, HangError) and raised.report is not None:
+            self._mark_hang(item, report, raised.report)  # from the fixture or an isolated test
+        return report
+
+    def _mark_hang(self, item: pytest.Item, report: pytest.TestReport, hang: HangReport) -> None:
+        from . import testreport
+
+        testreport.mark_hang(item, report, hang, self.state.json_path(hang, item.nodeid))
+        self.state.hangs.append((item.nodeid, hang.headline))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
+        item_settings = pyfuncitem.stash.get(_ITEM_SETTINGS, None)
+        if item_settings is None or not item_settings.isolate:
+            return None
+        from . import fixtures
+
+        names = pyfuncitem._fixtureinfo.argnames
+        funcargs = {name: pyfuncitem.funcargs[name] for name in names}
+        held = _deadline(pyfuncitem)
+        timeout = (
+            max(held.deadline - time.monotonic() - fixtures.MARGIN_S, 0.1)
+            if held is not None
+            else fixtures.DEFAULT_TIMEOUT_S
+        )
+        runner = self.state.get_runner()
+        fixtures.run_isolated(runner, pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout)
+        return True
+
+
+def _phase(item: pytest.Item, name: str) -> Generator[None, object, object]:
+    held = _deadline(item)
+    if held is None:
+        return (yield)
+    held.enter_phase(name)
+    try:
+        return (yield)
+    finally:
+        held.leave_phase()

@@ -98,11 +98,13 @@ def session_settings(config: pytest.Config) -> SessionSettings:
             f"ini option {REPORT_DIR_INI}",
         )
         base = config.inipath.parent if config.inipath is not None else base
+    given = report_dir
     if report_dir:
         report_dir = os.path.join(base, os.path.expanduser(report_dir))
     if report_dir and os.path.exists(report_dir) and not os.path.isdir(report_dir):
+        where = "" if given == report_dir else f" ({report_dir})"
         raise pytest.UsageError(
-            f"{dir_source} must be a directory (created if missing), got {report_dir!r}, "
+            f"{dir_source} must be a directory (created if missing), got {given!r}{where}, "
             "which is a file"
         )
     try:

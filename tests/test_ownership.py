@@ -106,7 +106,7 @@ def test_session_end_kills_what_tests_left_and_spares_what_fixtures_started(
         [
             "*torch-hang: processes left running by tests*",
             "*time.sleep(120) leftover",
-            "killed 1 process(es) that tests started and left running*",
+            "killed 1 process(es) at session end: tests started them*",
         ]
     )
     assert "service" not in session.result.stdout.str().split("left running by tests")[1]

@@ -49,6 +49,9 @@ def test_off_linux_options_and_markers_work_and_nothing_else_loads(
 ) -> None:
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv("PYTEST_TORCH_HANG_TIMEOUT", "30")
+    # an outer guarded session (this suite run with a timeout) injects its hook: not here
+    monkeypatch.delenv("PYTEST_TORCH_HANG_DUMP_DIR", raising=False)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     pytester.makepyfile(test_marked=MARKED)
     script = pytester.makepyfile(as_macos=AS_MACOS)
     result = pytester.run(
