@@ -101,6 +101,7 @@ def skip_reason(needed: int, inventory: GpuInventory) -> str | None:
 _REQUEST = pytest.StashKey[int | None]()  # what requested_gpus() said
 _LEASE = pytest.StashKey[GpuLease]()
 _SETUP_ERROR = pytest.StashKey[str]()  # the test errors at setup with this message
+_PER_TEST = "torchhang-devices-per-test"
 _GPUS_PROPERTY = "torch_hang_gpus"
 _WAIT_PROPERTY = "torch_hang_gpu_wait_s"
 
@@ -254,8 +255,11 @@ class DevicePlugin:
     def pytest_collection_modifyitems(
         self, config: pytest.Config, items: list[pytest.Item]
     ) -> None:
-        for item in items:
-            self._plan(item)
+        needed = [self._plan(item) is not None or _SETUP_ERROR in item.stash for item in items]
+        # Tests without a gpu or cpu marker need nothing per test: the hooks that lease GPUs
+        # are registered only in sessions that have such tests.
+        if any(needed) and not config.pluginmanager.has_plugin(_PER_TEST):
+            config.pluginmanager.register(_MarkedTestHooks(self), _PER_TEST)
 
     def _plan(self, item: pytest.Item) -> int | None:
         """Decide once per item what it needs; a skip marker when it can never get its GPUs."""
@@ -271,12 +275,8 @@ class DevicePlugin:
                 item.add_marker(pytest.mark.skip(reason=reason))
         return count
 
-    @pytest.hookimpl(wrapper=True, tryfirst=True)
-    def pytest_runtest_protocol(
-        self, item: pytest.Item, nextitem: pytest.Item | None
-    ) -> Generator[None, object, object]:
-        # Outermost, so that waiting for a lease is not counted against the test's hang timeout,
-        # and the lease and CUDA_VISIBLE_DEVICES cover setup, call and teardown alike.
+    def protocol(self, item: pytest.Item) -> Generator[None, object, object]:
+        """The whole test under its lease (or with CUDA hidden, for the cpu marker)."""
         count = item.stash[_REQUEST] if _REQUEST in item.stash else self._plan(item)
         if count == 0:
             with _environ(CUDA_VISIBLE_DEVICES, ""):
@@ -367,6 +367,21 @@ class DevicePlugin:
         # Prefer the GPUs this process had last: a worker that keeps its GPU keeps in-process
         # CUDA (bound to the first lease) consistent with its later leases.
         return [*self._affinity, *(i for i in range(total) if i not in self._affinity)]
+
+
+class _MarkedTestHooks:
+    """Per-test hooks for sessions with gpu or cpu tests; see ``DevicePlugin``."""
+
+    def __init__(self, devices: DevicePlugin) -> None:
+        self.devices = devices
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, object, object]:
+        # Outermost, so that waiting for a lease is not counted against the test's hang timeout,
+        # and the lease and CUDA_VISIBLE_DEVICES cover setup, call and teardown alike.
+        return (yield from self.devices.protocol(item))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
