@@ -1,91 +1,120 @@
-"""Resident memory the plugin adds to the pytest process, and what its zygote holds.
+"""Memory: what the plugin adds to the pytest process, and what its helper processes hold.
 
-The pytest figures come from a session of 200 passing tests (one of them forks a child, so the
-watchdog, the dump hook and the monitor are all running), measured at session end; the zygote's
-from a Runner after one ``torch_hang.run``. Run: ``python bench/bench_memory.py``.
+Each configuration runs a generated session of 200 passing tests (the first one starts a
+Python subprocess, so the dump hook is exercised); its conftest measures the pytest process at
+session end, and the plugin's helpers then alive: the monitor (started by the first guarded
+test) and the zygote (started by the first ``torch_hang`` fixture call, here ``torch_hang.run``).
+Run: ``python bench/bench_memory.py``.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import tempfile
+import textwrap
 from pathlib import Path
 
-import psutil
-from bench_jobs import pytest_command
+from _common import OUT_ENV, machine, median, parser, run_session, table
 
-CONFTEST = """
-import os
-import psutil
+CONFTEST = textwrap.dedent(
+    f"""
+    import json
+    import os
 
-def pytest_sessionfinish(session):
-    me = psutil.Process()
-    with open(os.environ["BENCH_OUT"], "w") as out:
-        out.write(f"{me.memory_info().rss} {me.memory_full_info().uss}")
-"""
+    import psutil
 
-TESTS = """
-import pytest
-import subprocess
-import sys
 
-@pytest.mark.parametrize("i", range(200))
-def test_it(i):
-    if i == 0:
-        subprocess.run([sys.executable, "-c", "pass"], check=True)
-"""
+    def _memory(proc):
+        info = proc.memory_full_info()
+        return {{"rss": info.rss, "uss": info.uss}}
+
+
+    def pytest_sessionfinish(session):
+        me = psutil.Process()
+        figures = {{"pytest": _memory(me)}}
+        for child in me.children():
+            cmdline = " ".join(child.cmdline())
+            for helper in ("zygote", "monitor"):
+                if f"pytest_torchhang.{{helper}}" in cmdline:
+                    figures[helper] = _memory(child)
+        with open(os.environ["{OUT_ENV}"], "w") as out:
+            json.dump(figures, out)
+    """
+)
+
+TESTS = textwrap.dedent(
+    """
+    import subprocess
+    import sys
+
+    import pytest
+
+
+    @pytest.mark.parametrize("i", range({n}))
+    def test_it(i):
+        if i == 0:
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+    """
+)
+
+FIXTURE_TEST = textwrap.dedent(
+    """
+    import os
+
+
+    def test_uses_the_fixture(torch_hang):
+        assert torch_hang.run(os.getpid) != os.getpid()
+    """
+)
 
 CONFIGS = {
-    "no plugin": ["-p", "no:torchhang"],
-    "inert (no timeout)": [],
-    "--torch-hang-timeout=60": ["--torch-hang-timeout=60"],
+    "no plugin": ["-p", "no:torchhang", "-p", "no:timeout", "test_many.py"],
+    "plugin inert (no timeout)": ["-p", "no:timeout", "test_many.py"],
+    "--torch-hang-timeout=60": ["-p", "no:timeout", "--torch-hang-timeout=60", "test_many.py"],
+    "--torch-hang-timeout=60, torch_hang.run used": [
+        "-p",
+        "no:timeout",
+        "--torch-hang-timeout=60",
+        "test_many.py",
+        "test_fixture.py",
+    ],
 }
 
 
-def mib(value: int) -> str:
-    return f"{value / (1 << 20):8.1f}"
+def mib(value: float) -> float:
+    return value / (1 << 20)
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
+    args = parser(__doc__)
+    options = args.parse_args()
+    tests = 50 if options.quick else 200
+    repeats = 1 if options.quick else 3
+    samples: dict[str, list[dict[str, dict[str, int]]]] = {name: [] for name in CONFIGS}
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         root = Path(tmp)
         (root / "conftest.py").write_text(CONFTEST)
-        (root / "test_mem.py").write_text(TESTS)
-        out = root / "out"
-        print(f"{'pytest process at session end':40} {'RSS MiB':>8} {'USS MiB':>8}")
-        base_rss = 0
-        for name, args in CONFIGS.items():
-            env = {**os.environ, "BENCH_OUT": str(out)}
-            subprocess.run(
-                pytest_command(
-                    *args,
-                    "test_mem.py",
-                ),
-                cwd=root,
-                env=env,
-                capture_output=True,
-                check=True,
-                timeout=300,
-            )
-            rss, uss = map(int, out.read_text().split())
-            if name == "no plugin":
-                base_rss = rss
-            extra = (
-                "" if name == "no plugin" else f"  (+{(rss - base_rss) / (1 << 20):.1f} MiB RSS)"
-            )
-            print(f"{name:40} {mib(rss)} {mib(uss)}{extra}")
+        (root / "test_many.py").write_text(TESTS.format(n=tests))
+        (root / "test_fixture.py").write_text(FIXTURE_TEST)
+        for _ in range(repeats):
+            for name, pytest_args in CONFIGS.items():
+                samples[name].append(run_session(root, pytest_args).figures)  # type: ignore[arg-type]
 
-    from pytest_torchhang.fixtures import TorchHang
-    from pytest_torchhang.runner import Runner
+    def figure(name: str, process: str, kind: str) -> float:
+        return mib(median([s[process][kind] for s in samples[name]]))
 
-    runner = Runner()
-    TorchHang(lambda: runner, "bench", None).run(os.getpid)
-    zygote = psutil.Process(runner.zygote().pid).memory_full_info()
-    monitor_like = psutil.Process().memory_info().rss
-    print(f"\n{'zygote (torch imported, no op run)':40} {mib(zygote.rss)} {mib(zygote.uss)}")
-    print(f"{'this bench process, for scale':40} {mib(monitor_like)}")
-    runner.close()
+    base = figure("no plugin", "pytest", "rss")
+    rows: list[tuple[object, ...]] = []
+    for name in CONFIGS:
+        rss = figure(name, "pytest", "rss")
+        rows.append((f"pytest, {name}", rss, figure(name, "pytest", "uss"), f"{rss - base:+.1f}"))
+    last = list(CONFIGS)[-1]
+    for helper, what in (("monitor", "monitor process"), ("zygote", "zygote (torch imported)")):
+        if all(helper in s for s in samples[last]):
+            rows.append((what, figure(last, helper, "rss"), figure(last, helper, "uss"), ""))
+        else:
+            rows.append((what, "absent", "", ""))
+    print(f"at the end of {tests} passing tests, median of {repeats}; {machine()}")
+    table(["process", "RSS MiB", "USS MiB", "vs no plugin"], rows, first=52)
 
 
 if __name__ == "__main__":

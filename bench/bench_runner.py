@@ -1,90 +1,239 @@
-"""Per-call cost of starting work in a child: torch_hang.run and .distributed vs the alternatives.
+"""Starting work in children, inside a test: ``torch_hang.run`` / ``.distributed`` vs the alternatives.
 
-Prints a table (median and p90 of N calls, milliseconds). Run: ``python bench/bench_runner.py``.
-Everything runs on this machine in one process, one method after the other.
+A generated pytest session (``--torch-hang-timeout`` set, as users run it) times, inside its
+tests, calls that take turns with their alternative in one loop:
+
+- ``torch_hang.run`` of a trivial function (default start method: a fork of the warm zygote)
+  vs a bare ``os.fork()`` of a process prepared like the zygote (torch and the child module
+  imported, no torch op run): the fork, the child's ``os._exit`` and the ``waitpid``, timed in
+  that process, and the same with the request and the answer through a pipe, timed in the test;
+- ``torch_hang.distributed(world_size=2)`` (gloo group set up and torn down) vs
+  ``torch.multiprocessing.spawn`` of 2 ranks that set up and tear down a gloo group;
+- with the full run only (``--quick`` leaves these out): the ``torch.multiprocessing.spawn``
+  row, ``run`` with the spawn and forkserver start methods, a
+  ``multiprocessing`` spawn ``Process``, and a fresh interpreter importing torch.
+
+Each row is the median (and p90) over its calls, after one warm-up call (which starts the
+zygote). Run: ``python bench/bench_runner.py [--calls N]``.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import statistics
-import sys
-import time
-from collections.abc import Callable
+import json
+import tempfile
+import textwrap
+from pathlib import Path
 
-import torch.multiprocessing as tmp
-from bench_jobs import rank_noop, tmp_rank, trivial
+from _common import OUT_ENV, machine, parser, run_session, table
 
-from pytest_torchhang.fixtures import TorchHang
-from pytest_torchhang.runner import Runner
+JOBS = textwrap.dedent(
+    """
+    def trivial(x=0):
+        return x + 1
 
 
-def measure(fn: Callable[[], object], n: int, warmup: int = 1) -> tuple[float, float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
+    def rank_noop(rank, world_size):
+        return rank
+
+
+    def spawn_rank(index, store):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=index, world_size=2)
+        dist.destroy_process_group()
+    """
+)
+
+# A process prepared as the zygote is (torch and the runner's child module imported, no torch
+# op run) that forks on request: the floor any fork-based runner can reach.
+FORKER = textwrap.dedent(
+    """
+    import os
+    import sys
+    import time
+
+    import torch  # noqa: F401
+    import pytest_torchhang.child  # noqa: F401
+
+    print("READY", flush=True)
+    for line in sys.stdin:
+        start = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print(f"{time.perf_counter() - start:.6f}", flush=True)
+    """
+)
+
+CONFTEST = textwrap.dedent(
+    f"""
+    import json
+    import os
+
+    import pytest
+
+    FIGURES = {{}}
+
+
+    @pytest.fixture
+    def figures():
+        return FIGURES
+
+
+    def pytest_unconfigure(config):
+        with open(os.environ["{OUT_ENV}"], "w") as out:
+            json.dump(FIGURES, out)
+    """
+)
+
+TESTS = textwrap.dedent(
+    """
+    import multiprocessing
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import torch.multiprocessing
+
+    import benchjobs
+
+    CALLS = int(os.environ["BENCH_CALLS"])
+    SLOW_CALLS = int(os.environ["BENCH_SLOW_CALLS"])
+    FULL = os.environ["BENCH_FULL"] == "1"
+
+
+    def timed(fn):
         start = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - start) * 1000)
-    times.sort()
-    return statistics.median(times), times[int(0.9 * (len(times) - 1))]
+        return (time.perf_counter() - start) * 1000
+
+
+    def test_run_vs_bare_fork(torch_hang, figures):
+        assert torch_hang.run(benchjobs.trivial, 1) == 2  # warm-up: starts the zygote
+        forker = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "forker.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert forker.stdout.readline() == "READY\\n"
+        rows = {"run": [], "fork": [], "fork_pipe": []}
+
+        def bare_fork():
+            forker.stdin.write("go\\n")
+            forker.stdin.flush()
+            rows["fork"].append(float(forker.stdout.readline()) * 1000)
+
+        bare_fork()  # warm-up
+        rows["fork"].clear()
+        for _ in range(CALLS):
+            rows["run"].append(timed(lambda: torch_hang.run(benchjobs.trivial, 1)))
+            rows["fork_pipe"].append(timed(bare_fork))
+        forker.stdin.close()
+        forker.wait()
+        if FULL:
+            for method in ("forkserver", "spawn"):
+                torch_hang.run(benchjobs.trivial, 1, start_method=method)
+                rows[f"run_{method}"] = [
+                    timed(lambda: torch_hang.run(benchjobs.trivial, 1, start_method=method))
+                    for _ in range(SLOW_CALLS)
+                ]
+        figures.update(rows)
+
+
+    def test_distributed_vs_torch_spawn(torch_hang, tmp_path, figures):
+        torch_hang.distributed(benchjobs.rank_noop, world_size=2)  # warm-up
+        rows = {"distributed": [], "tmp_spawn": []} if FULL else {"distributed": []}
+        for i in range(max(CALLS // 2, SLOW_CALLS if FULL else 0)):
+            if i < CALLS // 2:
+                rows["distributed"].append(
+                    timed(lambda: torch_hang.distributed(benchjobs.rank_noop, world_size=2))
+                )
+            if i < SLOW_CALLS and FULL:
+                store = str(tmp_path / f"store-{i}")
+                rows["tmp_spawn"].append(
+                    timed(lambda: torch.multiprocessing.spawn(benchjobs.spawn_rank, (store,), nprocs=2))
+                )
+        if FULL:
+            spawn = multiprocessing.get_context("spawn")
+
+            def mp_spawn():
+                process = spawn.Process(target=benchjobs.trivial)
+                process.start()
+                process.join()
+
+            def fresh():
+                subprocess.run([sys.executable, "-c", "import torch"], check=True)
+
+            rows["mp_spawn"] = [timed(mp_spawn) for _ in range(SLOW_CALLS)]
+            rows["fresh"] = [timed(fresh) for _ in range(SLOW_CALLS)]
+        figures.update(rows)
+    """
+)
+
+LABELS = {
+    "run": "torch_hang.run(trivial), zygote (default)",
+    "fork": "bare os.fork() of a zygote-like process",
+    "fork_pipe": "same, request and answer through a pipe",
+    "run_forkserver": "torch_hang.run, start_method='forkserver'",
+    "run_spawn": "torch_hang.run, start_method='spawn'",
+    "distributed": "torch_hang.distributed(world_size=2), gloo",
+    "tmp_spawn": "torch.multiprocessing.spawn, 2 ranks + gloo",
+    "mp_spawn": "multiprocessing spawn Process(trivial)",
+    "fresh": "fresh interpreter importing torch",
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[round(q * (len(ordered) - 1))]
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-    runner = Runner()
-    hang = TorchHang(lambda: runner, "bench", None)
-    spawn = multiprocessing.get_context("spawn")
-
-    def mp_spawn() -> None:
-        process = spawn.Process(target=trivial)
-        process.start()
-        process.join()
-
-    def fresh() -> None:
-        import subprocess
-
-        subprocess.run([sys.executable, "-c", "import torch"], check=True)
-
-    counter = iter(range(10**9))
-
-    def tmp_spawn_2() -> None:
-        store = f"{runner.workdir}/tmpstore-{next(counter)}"
-        tmp.spawn(tmp_rank, args=(store,), nprocs=2)
-
-    rows = [
-        ("torch_hang.run, zygote (default)", lambda: hang.run(trivial, 1), n),
-        ("torch_hang.run, forkserver", lambda: hang.run(trivial, 1, start_method="forkserver"), n),
-        (
-            "torch_hang.run, spawn",
-            lambda: hang.run(trivial, 1, start_method="spawn"),
-            max(3, n // 5),
-        ),
-        ("multiprocessing spawn Process", mp_spawn, max(3, n // 5)),
-        ("fresh interpreter importing torch", fresh, max(3, n // 5)),
-        (
-            "torch_hang.distributed(world_size=2)",
-            lambda: hang.distributed(rank_noop),
-            max(5, n // 2),
-        ),
-        ("torch.multiprocessing.spawn, 2 ranks + gloo init", tmp_spawn_2, max(3, n // 5)),
-    ]
-    print(f"{'what':52} {'median ms':>10} {'p90 ms':>10} {'calls':>6}")
-    results = {}
-    for name, fn, calls in rows:
-        median, p90 = measure(fn, calls)
-        results[name] = median
-        print(f"{name:52} {median:10.1f} {p90:10.1f} {calls:6d}")
-    run = results["torch_hang.run, zygote (default)"]
-    print(
-        f"\nrun vs multiprocessing spawn: {results['multiprocessing spawn Process'] / run:.0f}x lower"
+    args = parser(__doc__)
+    args.add_argument("--calls", type=int, help="Calls of the fast rows (default 40)")
+    options = args.parse_args()
+    calls = options.calls or (6 if options.quick else 40)
+    slow_calls = 1 if options.quick else 5
+    with tempfile.TemporaryDirectory(prefix="bench-runner-") as tmp:
+        root = Path(tmp)
+        (root / "benchjobs.py").write_text(JOBS)
+        (root / "forker.py").write_text(FORKER)
+        (root / "conftest.py").write_text(CONFTEST)
+        (root / "test_runner.py").write_text(TESTS)
+        session = run_session(
+            root,
+            ["-p", "no:timeout", "--torch-hang-timeout=300", "test_runner.py"],
+            env={
+                "BENCH_CALLS": str(calls),
+                "BENCH_SLOW_CALLS": str(slow_calls),
+                "BENCH_FULL": "0" if options.quick else "1",
+            },
+        )
+    rows: dict[str, list[float]] = session.figures  # type: ignore[assignment]
+    if "run" not in rows or "distributed" not in rows:
+        raise RuntimeError(f"the session wrote no figures:\n{session.output[-3000:]}")
+    print(f"inside a pytest session (--torch-hang-timeout=300); {machine()}")
+    table(
+        ["what", "median ms", "p90 ms", "calls"],
+        [(LABELS[key], percentile(v, 0.5), percentile(v, 0.9), len(v)) for key, v in rows.items()],
+        first=48,
     )
-    dist = results["torch_hang.distributed(world_size=2)"]
+    med = {key: percentile(v, 0.5) for key, v in rows.items()}
     print(
-        f"distributed(2) vs torch.multiprocessing.spawn: {results['torch.multiprocessing.spawn, 2 ranks + gloo init'] / dist:.1f}x lower"
+        f"\nrun / bare fork: {med['run'] / med['fork']:.2f}x "
+        f"(through a pipe: {med['run'] / med['fork_pipe']:.2f}x; goal: within 2x)"
     )
-    runner.close()
+    if "tmp_spawn" in med:
+        print(
+            "torch.multiprocessing.spawn / distributed(2): "
+            f"{med['tmp_spawn'] / med['distributed']:.1f}x"
+        )
+    if "mp_spawn" in med:
+        print(f"multiprocessing spawn / run: {med['mp_spawn'] / med['run']:.0f}x")
+    print(json.dumps({k: round(v, 2) for k, v in med.items()}))
 
 
 if __name__ == "__main__":
