@@ -75,7 +75,13 @@ def _handler(pid: int) -> bool:
 
 
 def measure(n: int, reps: int) -> dict[str, list[float]]:
-    figures: dict[str, list[float]] = {"read": [], "hints": [], "capture": []}
+    figures: dict[str, list[float]] = {
+        "read": [],
+        "hints": [],
+        "capture": [],
+        "stacks": [],
+        "edges": [],
+    }
     with tempfile.TemporaryDirectory() as dump_dir:
         lock = os.path.join(dump_dir, "lock")
         Path(lock).write_text("")
@@ -97,6 +103,15 @@ def measure(n: int, reps: int) -> dict[str, list[float]]:
                 diagnose.hints(report.processes)
                 figures["hints"].append(time.perf_counter() - start)
                 assert len(report.processes) >= n, report.headline
+                figures["stacks"].append(sum(p.dump_status == "ok" for p in report.processes))
+                figures["edges"].append(
+                    sum(
+                        len(t.waits_for)
+                        for p in report.processes
+                        for t in p.tasks
+                        if t.tid == p.pid
+                    )
+                )
         finally:
             for child in children:
                 child.kill()
@@ -122,6 +137,8 @@ def main() -> None:
                 spread(figures["capture"]),
             ]
         )
+        stacks, edges = int(median(figures["stacks"])), int(median(figures["edges"]))
+        rows.append([f"{n} processes: stacks taken, main-thread edges", stacks, edges])
     table(["figure", "median", "min-max"], rows, first=52)
     print(
         "targets: capture plus graph under 0.3 s for 4 processes, under 1 s for 64; the whole "

@@ -764,9 +764,13 @@ def _main_task(proc: ProcessReport) -> TaskWait | None:
 
 
 def _ignored(proc: ProcessReport, task: TaskWait) -> bool:
-    """The plugin's own threads (watchdog, monitor): they release nothing of the test's."""
+    """Threads that release nothing of the test's: the plugin's own (watchdog, monitor), and
+    threads without Python frames that were there before the test (an earlier test's gloo or
+    OpenMP threads, left in the pytest process)."""
     thread = _task_thread(proc, task)
-    return thread is not None and any(_PLUGIN in f.filename for f in thread.frames[:3])
+    if thread is None:
+        return task.before_test and bool(proc.threads)
+    return any(_PLUGIN in f.filename for f in thread.frames[:3])
 
 
 def _kind(proc: ProcessReport, task: TaskWait) -> str:

@@ -44,6 +44,7 @@ class TaskWait:
     waits_for: list[WaitEdge] = field(default_factory=list)
     sp: int = 0  # stack pointer (matches the thread to its Python stack)
     python_thread: str = ""  # ident of the Python thread this is, when known
+    before_test: bool = False  # started before the test began (an earlier test's, a session's)
 
     def summary(self) -> str:
         """``read(fd 3: pipe:[307072]) [anon_pipe_read]``, or ``running``."""
@@ -123,6 +124,8 @@ class HangReport:
     kill_s: float = 0.0  # from the start of the kill to a dead, reaped tree
     created: float = field(default_factory=time.time)
     notes: list[str] = field(default_factory=list)
+    kind: str = "hang"  # "hang": past its deadline; "stall": no progress for the stall time
+    progress: dict[str, Any] = field(default_factory=dict)  # a stall's progress, bounded
 
     def to_text(self) -> str:
         """The report as a user reads it in the terminal, a failure message or a log."""

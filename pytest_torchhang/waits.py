@@ -135,6 +135,7 @@ class _Reader:
         self._unix_peers: dict[str, str] | None = None
         self._locks: list[tuple[bool, str, str, int]] | None = None
         self.members: dict[int, Member] = {}
+        self.newer_than_s: float | None = None
 
     def late(self) -> bool:
         return time.monotonic() > self.deadline
@@ -477,9 +478,9 @@ def _parse_unix_msg(msg: bytes, peers: dict[str, str]) -> None:
         offset += (length + 3) & ~3
 
 
-def _age(pid: int) -> float:
-    """Seconds since ``pid`` started (infinite when unreadable)."""
-    stat = _stat(f"/proc/{pid}/stat")
+def _age(pid: int, tid: int | None = None) -> float:
+    """Seconds since ``pid`` (or its thread ``tid``) started (infinite when unreadable)."""
+    stat = _stat(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat")
     try:
         return time.clock_gettime(time.CLOCK_BOOTTIME) - int(stat[19]) / _TICKS
     except (ValueError, IndexError):
@@ -504,7 +505,10 @@ def _member(reader: _Reader, pid: int) -> Member:
     for tid in tids[:MAX_TASKS]:
         if tid in reader.skip_tids:
             continue
-        member.tasks.append(reader.task(pid, tid))
+        task = reader.task(pid, tid)
+        if reader.newer_than_s is not None and tid != pid:
+            task.before_test = _age(pid, tid) > reader.newer_than_s + 0.05
+        member.tasks.append(task)
     return member
 
 
@@ -523,6 +527,7 @@ def read(
     start = time.monotonic()
     wanted = list(dict.fromkeys(pids))
     reader = _Reader(wanted, skip_tids or set(), start + budget_s)
+    reader.newer_than_s = newer_than_s
     evidence = Evidence()
     for pid in wanted:
         evidence.members[pid] = _member(reader, pid)

@@ -222,3 +222,82 @@ def test_without_a_native_tool_the_report_says_so_in_one_line(
         "*lock.acquire(); lock.acquire()*",
     )
     session.assert_clean()
+
+
+WAITS_AND_COLLECTIVES = """
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+
+def test_child_reads_what_the_test_never_writes():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    child.wait()
+
+
+def _ranks(rank, store):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.all_reduce(torch.ones(4))
+    if rank == 0:
+        dist.all_reduce(torch.ones(8))
+    else:
+        dist.barrier()
+
+
+def test_ranks_part_ways(tmp_path):
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "100")
+    tmp.start_processes(_ranks, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")
+"""
+
+
+def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
+    guarded: GuardedRunner,
+) -> None:
+    guarded.pytester.makepyfile(test_waits=WAITS_AND_COLLECTIVES)
+    reports = guarded.pytester.path / "reports"
+    session = guarded.run(f"--torch-hang-report-dir={reports}", timeout=3)
+    session.result.assert_outcomes(failed=2)
+    text = assert_hang(
+        session,
+        "test_child_reads_what_the_test_never_writes",
+        "      blocked in wait4(waits for child * to exit)*",
+        "        waits for pid * [[]Python child[]] (its exit (the parent waits for its child))",
+        "      blocked in read(fd 0: pipe:[[]*[]])*",
+        "        waits for pid * [[]pytest[]] (pipe:[[]*[]], whose write end it holds)",
+    )
+    assert "hint: 1 process(es) block reading a pipe" in text
+    docs = {
+        d["test_id"].split("::")[1]: d
+        for d in (json.loads(p.read_text()) for p in reports.glob("*.json"))
+    }
+    pipe = docs["test_child_reads_what_the_test_never_writes"]
+    pytest_pid = next(p["pid"] for p in pipe["processes"] if p["role"] == "pytest")
+    child = next(p for p in pipe["processes"] if p["role"] == "Python child")
+    (task,) = [t for t in child["tasks"] if t["tid"] == child["pid"]]
+    assert task["call"] == "read" and task["python_thread"] == child["threads"][0]["ident"]
+    assert {e["pid"] for e in task["waits_for"]} == {pytest_pid}
+    assert {h["rule"] for h in pipe["hints"]} == {"pipe"}
+    ranks = docs["test_ranks_part_ways"]
+    collectives = {
+        p["role"].split()[1]: p["collectives"] for p in ranks["processes"] if p["collectives"]
+    }
+    assert collectives["0/2"][-1] == {
+        "seq": 2, "name": "all_reduce", "group": "default_pg", "sizes": [[8]], "completed": False
+    }  # fmt: skip
+    assert [c["completed"] for c in collectives["1/2"]] == [True, False]
+    assert collectives["1/2"][-1]["name"] == "barrier"
+    assert_hang(
+        session,
+        "test_ranks_part_ways",
+        "hint: ranks wait in different collectives (rank 0/2 in all_reduce, rank 1/2 in barrier)*"
+        "Flight recorder: rank 0/2 completed #1 all_reduce([[]4[]]) and is in #2 all_reduce([[]8[]]);"
+        " rank 1/2 completed #1 all_reduce([[]4[]]) and is in #2 barrier.",
+        "    collectives (flight recorder, oldest first):",
+        "        #2 barrier NOT COMPLETED [[]default_pg[]]",
+    )
+    session.assert_clean()
