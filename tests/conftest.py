@@ -288,6 +288,13 @@ class GuardedRunner:
 def guarded(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[GuardedRunner]:
     """Run inner pytest sessions with pytest-torchhang and collect what they left behind."""
     monkeypatch.delenv("PYTEST_TORCH_HANG_TIMEOUT", raising=False)
+    # An inner session starts as on a fresh machine, whatever an in-process session of another
+    # test left in this process's environment (the dump hook's variables).
+    monkeypatch.delenv("PYTEST_TORCH_HANG_DUMP_DIR", raising=False)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    kept = [p for p in paths if p and not p.endswith(os.path.join("pytest_torchhang", "_inject"))]
+    if kept != [p for p in paths if p]:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(kept))
     yield GuardedRunner(pytester, monkeypatch)
 
 

@@ -13,8 +13,10 @@ from conftest import GuardedRunner, assert_hang
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 #: The README's main command uses this timeout; each deliberate hang sets a shorter one itself.
 TIMEOUT_S = 20
-#: Everything (pytest and torch start-up, training, three hangs) takes about 40 s on 2 cores.
-WALL_BOUND_S = 240
+#: Everything (pytest and torch start-up, training, three hangs) takes about 40 s on 2 cores, and
+#: 150 s with the rest of the suite and two CPU hogs beside it: the bound only catches a run that
+#: sat out its deadlines.
+WALL_BOUND_S = 420
 
 #: examples/hangs/: each hangs on purpose and must be reported as a HANG, with these lines.
 HANGS = {

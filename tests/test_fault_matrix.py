@@ -113,33 +113,33 @@ def test_warm_up(torch_hang):
     assert torch_hang.run(add, 1, b=2) == 3
 
 
-@pytest.mark.torch_hang(timeout=30)
+@pytest.mark.torch_hang(timeout=60)
 def test_run_child_killed_by_sigkill(torch_hang):
     torch_hang.run(kill_self)
 
 
-@pytest.mark.torch_hang(timeout=30)
+@pytest.mark.torch_hang(timeout=60)
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV], ids=["sigkill", "sigsegv"])
 def test_loader_worker_dies(signum):
     for _ in DataLoader(DyingDataset(signum), num_workers=1, multiprocessing_context="fork"):
         pass
 
 
-@pytest.mark.torch_hang(timeout=30)
+@pytest.mark.torch_hang(timeout=60)
 def test_run_child_segfaults(torch_hang):
     torch_hang.run(segfault)
 
 
-@pytest.mark.torch_hang(timeout=30)
+@pytest.mark.torch_hang(timeout=60)
 def test_fixture_loader_worker_segfaults(torch_hang):
     torch_hang.dataloader(
         DyingDataset(signal.SIGSEGV), batches=1, num_workers=1, multiprocessing_context="fork"
     )
 
 
-@pytest.mark.torch_hang(timeout=30)
+@pytest.mark.torch_hang(timeout=60)
 def test_run_child_with_every_kind_of_grandchild(torch_hang):
-    torch_hang.run(start_every_kind_of_child_then_wait, timeout=3)
+    torch_hang.run(start_every_kind_of_child_then_wait, timeout=5)  # all six started by then
 
 
 def test_next_test_runs(torch_hang):
@@ -194,7 +194,9 @@ def test_crashes_are_reported_as_crashes_at_once_and_a_runner_tree_dies_whole(
         "test_run_child_segfaults",
         "test_fixture_loader_worker_segfaults",
     ):
-        assert durations[name] < 10, (name, durations[name])  # the deadline was 30s
+        # told at once, not at the deadline (60s); torch's DataLoader looks at its workers every
+        # 5s, and a busy machine slows everything down: the bound is wide
+        assert durations[name] < 30, (name, durations[name])
 
     # Everything a runner child can leave behind is listed, then killed: a setsid() daemon, a
     # double-forked orphan (both adopted by the child as subreaper), a SIGTERM-ignoring child,
@@ -218,7 +220,7 @@ def test_crashes_are_reported_as_crashes_at_once_and_a_runner_tree_dies_whole(
     # the daemon and the orphan were re-parented to the runner child, not to init
     assert len(re.findall(rf"\[Python child\] parent {child_pid.group(1)},", report)) == 4
     assert "COULD NOT KILL" not in report
-    assert durations["test_run_child_with_every_kind_of_grandchild"] < 15
+    assert durations["test_run_child_with_every_kind_of_grandchild"] < 40  # the deadline is 60s
     session.assert_clean()
 
 
@@ -393,13 +395,13 @@ def test_next_test_runs():
 
 def _huge_report(guarded: GuardedRunner) -> tuple[Session, str]:
     guarded.pytester.makepyfile(test_crowd=CROWD)
-    session = guarded.run(timeout=2)
+    session = guarded.run(timeout=4)  # all 100 threads have started, on a busy machine too
     session.result.assert_outcomes(passed=1, failed=1)
     report = assert_hang(session, "test_huge_stacks_and_a_hundred_threads", "HANG after *")
     return session, report
 
 
-def test_a_report_of_huge_stacks_and_a_hundred_threads_is_bounded_and_useful(
+def test_a_report_of_huge_stacks_and_a_hundred_threads_is_bounded_and_keeps_every_process(
     guarded: GuardedRunner,
 ) -> None:
     session, report = _huge_report(guarded)
@@ -412,13 +414,7 @@ def test_a_report_of_huge_stacks_and_a_hundred_threads_is_bounded_and_useful(
     assert 55 <= deep.count(", in _deep") <= 60, deep.count(", in _deep")
     assert "\n        ...\n" in deep
     assert re.search(r"\[Python child\] parent \d+, \w+, .*, 101 threads", report)
-    session.assert_clean()
-
-
-def test_a_hundred_threads_do_not_push_other_processes_and_the_cleanup_out_of_the_report(
-    guarded: GuardedRunner,
-) -> None:
-    session, report = _huge_report(guarded)
+    # a hundred threads do not push the other processes and the cleanup line out of the report
     crowd = report.split("[Python child]", 1)[1].split("\n--- process", 1)[0]
     assert crowd.count(" (most recent call first):") <= report_module.MAX_THREADS + 1
     assert "cmdline: sleep 1000" in report

@@ -99,13 +99,6 @@ def test_bad_batches(torch_hang):
 """
 
 
-def test_dataloader_stats_errors_and_hangs(guarded: GuardedRunner) -> None:
-    guarded.pytester.makepyfile(test_loader=LOADER)
-    session = guarded.run(timeout=60)
-    session.result.assert_outcomes(passed=7)
-    session.assert_clean()
-
-
 DISTRIBUTED = """
 import pytest
 import torch
@@ -202,10 +195,13 @@ def test_bad_input(torch_hang):
 """
 
 
-def test_distributed_results_failures_and_hangs(guarded: GuardedRunner) -> None:
-    guarded.pytester.makepyfile(test_dist=DISTRIBUTED)
+def test_dataloader_and_distributed_stats_results_errors_crashes_and_hangs(
+    guarded: GuardedRunner,
+) -> None:
+    # one inner session for both fixtures: pytest, torch and the zygote start once
+    guarded.pytester.makepyfile(test_loader=LOADER, test_dist=DISTRIBUTED)
     session = guarded.run(timeout=60)
-    session.result.assert_outcomes(passed=6)
+    session.result.assert_outcomes(passed=13)
     session.assert_clean()
 
 

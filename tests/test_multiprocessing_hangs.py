@@ -7,6 +7,8 @@ from conftest import GuardedRunner, assert_hang
 SCENARIOS = """
 import multiprocessing as mp
 
+import pytest
+
 
 def _put_a_lot(queue):
     queue.put(b"x" * (4 << 20))  # larger than a pipe buffer: the feeder thread blocks at exit
@@ -38,6 +40,7 @@ def _square(x):
     time.sleep(1000)
 
 
+@pytest.mark.torch_hang(timeout=6)  # both spawned workers reach _square, even on a busy machine
 def test_pool_worker_never_returns():
     with mp.get_context("spawn").Pool(2) as pool:
         pool.map(_square, range(2))

@@ -45,7 +45,7 @@ def test_next_test_runs():
 
 def test_every_kind_of_child_is_reported_and_killed(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_children=CHILDREN)
-    session = guarded.run(timeout=1.5)
+    session = guarded.run(timeout=3)  # every child has started (and stopped itself) by then
     session.result.assert_outcomes(failed=5, passed=1)
     orphan = assert_hang(
         session, "test_setsid_orphan", "*time.sleep(1000)", "cleanup: killed 1 process*"
@@ -145,7 +145,7 @@ def test_a_main_thread_holding_the_gil_in_c_still_ends_the_session(guarded: Guar
     text = session.text
     # the watchdog thread cannot run; the monitor process reports and kills, pytest included
     assert session.result.ret == -9
-    assert session.wall_s < 2 + 10, session.wall_s
+    assert session.wall_s < 2 + 60, session.wall_s  # wide: pytest's own start on a busy machine
     assert "pytest-torchhang: session stopped" in text
     assert "its main thread is blocked in C code holding the GIL" in text
     assert "libc.pthread_mutex_lock(mutex)  # self-deadlock" in text

@@ -1,4 +1,4 @@
-"""A soak: 100 hangs in a row in one session, every one reported, the pytest process kept flat."""
+"""A soak: 60 hangs in a row in one session, every one reported, the pytest process kept flat."""
 
 from __future__ import annotations
 
@@ -72,13 +72,13 @@ def test_measure_after_10_hangs():
     measure("after 10")
 
 
-@pytest.mark.parametrize("n", range(10, 100))
+@pytest.mark.parametrize("n", range(10, 60))
 def test_hang_late(n):
     hang(KINDS[n % 4])
 
 
-def test_measure_after_100_hangs():
-    measure("after 100")
+def test_measure_after_60_hangs():
+    measure("after 60")
 
 
 @pytest.mark.parametrize("n", range(5))
@@ -87,19 +87,19 @@ def test_passes_after_the_hangs(n):
 """
 
 
-def test_a_hundred_hangs_in_a_row_are_all_reported_and_leak_nothing(guarded: GuardedRunner) -> None:
+def test_sixty_hangs_in_a_row_are_all_reported_and_leak_nothing(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_soak=SOAK)
     session = guarded.run(timeout=0.5, wait_s=600)
-    session.result.assert_outcomes(failed=100, passed=7)
+    session.result.assert_outcomes(failed=60, passed=7)
     out = session.result.stdout.str()
 
     # every hang has its report and its line in the summary
     hung = re.findall(r"^HANG test_soak\.py::test_hang_(?:early|late)\[(\d+)\] ", out, re.M)
-    assert sorted(map(int, hung)) == list(range(100))
+    assert sorted(map(int, hung)) == list(range(60))
     summary = out.split("torch-hang summary", 1)[1]
-    assert len(re.findall(r"^HANG after \d+\.\ds in test_soak\.py::", summary, re.M)) == 100
+    assert len(re.findall(r"^HANG after \d+\.\ds in test_soak\.py::", summary, re.M)) == 60
     # the last hang of each kind is as complete as the first
-    for n in (0, 1, 2, 3, 96, 97, 98, 99):
+    for n in (0, 1, 2, 3, 56, 57, 58, 59):
         group = "early" if n < 10 else "late"
         expected = {
             "lock": ["*lock.acquire()", "cleanup: killed 0 process(es)*"],
@@ -110,13 +110,13 @@ def test_a_hundred_hangs_in_a_row_are_all_reported_and_leak_nothing(guarded: Gua
         report = assert_hang(session, f"test_hang_{group}[{n}]", "HANG after *", *expected)
         assert "COULD NOT KILL" not in report
 
-    # the pytest process stayed flat from hang 10 to hang 100
+    # the pytest process stayed flat from hang 10 to hang 60
     lines = (guarded.pytester.path / "soak.jsonl").read_text().splitlines()
-    after_10, after_100 = (json.loads(line) for line in lines)
-    assert after_100["fds"] <= after_10["fds"] + 10, (after_10, after_100)
-    assert after_100["threads"] <= after_10["threads"] + 2, (after_10, after_100)
-    assert after_100["rss"] - after_10["rss"] < 50 << 20, (after_10, after_100)
-    assert after_100["zombies"] == after_10["zombies"] == 0, (after_10, after_100)
-    assert after_100["children"] <= after_10["children"], (after_10, after_100)
-    assert after_100["thread_names"] == after_10["thread_names"], (after_10, after_100)
+    after_10, after_60 = (json.loads(line) for line in lines)
+    assert after_60["fds"] <= after_10["fds"] + 10, (after_10, after_60)
+    assert after_60["threads"] <= after_10["threads"] + 2, (after_10, after_60)
+    assert after_60["rss"] - after_10["rss"] < 50 << 20, (after_10, after_60)
+    assert after_60["zombies"] == after_10["zombies"] == 0, (after_10, after_60)
+    assert after_60["children"] <= after_10["children"], (after_10, after_60)
+    assert after_60["thread_names"] == after_10["thread_names"], (after_10, after_60)
     session.assert_clean()  # nothing left running, /dev/shm as it was
