@@ -114,7 +114,7 @@ def test_marker_zero_turns_the_guard_off():
     time.sleep(2.5)
 
 
-@pytest.mark.torch_hang(3)
+@pytest.mark.torch_hang(8)  # looser than the command line's 2s, with room for a busy machine
 def test_marker_positional_timeout_is_looser():
     time.sleep(2.5)
 
