@@ -70,11 +70,22 @@ def profile(root: Path, args: list[str], tests: int, top: int) -> None:
         reverse=True,
     )
     per_test = 1e6 / tests
+    every_test = [(key, row) for key, row in ours if row[1] >= tests / 2]
     table(
-        ["function (pytest_torchhang/...)", "cum us/test", "own us/test", "calls/test"],
+        ["per test: function (pytest_torchhang/...)", "cum us/test", "own us/test", "calls/test"],
         [
             (_name(key), row[3] * per_test, row[2] * per_test, f"{row[1] / tests:.2f}")
-            for key, row in ours[:top]
+            for key, row in every_test[:top]
+        ],
+        first=60,
+    )
+    once = [(key, row) for key, row in ours if row[1] < tests / 2]
+    print()
+    table(
+        ["once a session (or collection): function", "cum ms", "own ms", "calls"],
+        [
+            (_name(key), row[3] * 1000, row[2] * 1000, row[1])
+            for key, row in once[: max(5, top // 2)]
         ],
         first=60,
     )
