@@ -8,9 +8,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["ChildCrashed", "HangError", "HangReport", "LoaderStats", "RemoteTraceback", "TorchHang"]
+__all__ = [
+    "ChildCrashed",
+    "HangError",
+    "HangReport",
+    "LoaderStats",
+    "RemoteTraceback",
+    "TorchHang",
+    "progress",
+]
 
 if TYPE_CHECKING:
+    from ._progress import progress
     from .exceptions import ChildCrashed, HangError, RemoteTraceback
     from .fixtures import TorchHang
     from .jobs import LoaderStats
@@ -30,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from .jobs import LoaderStats
 
         return LoaderStats
+    if name == "progress":
+        from ._progress import progress
+
+        return progress
     if name == "HangReport":
         from .report import HangReport
 

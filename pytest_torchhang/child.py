@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from . import _hook
+from . import _hook, _progress
 from .proctree import become_subreaper, die_with_parent, kill_tree
 
 #: Seconds a child that failed waits (its outcome already written) before it exits.
@@ -86,6 +86,18 @@ def _apply_environment(env: dict[str, str]) -> None:
             torch.set_num_threads(int(threads))
 
 
+def _arm_progress_and_stress() -> None:
+    """What the start-up hook does in fresh interpreters, for this forked one: progress beats
+    when the test has stall detection, the hunt's stress when asked for."""
+    if os.environ.get(_progress.PROGRESS_ENV):
+        _progress.install()
+    if os.environ.get("PYTEST_TORCH_HANG_STRESS"):
+        import random
+
+        sys.setswitchinterval(1e-6)
+        time.sleep(random.random() * 0.005)
+
+
 def _load_main(path: str) -> None:
     """Make the parent's ``__main__`` functions unpicklable here, as multiprocessing's spawn does."""
     import runpy
@@ -113,6 +125,7 @@ def run_request(request_path: str) -> int:
     faulthandler.enable(file=crash, all_threads=True)
     try:  # from here on every error reaches the test as this child's exception
         _apply_environment(env)
+        _arm_progress_and_stress()
         if cwd:
             with contextlib.suppress(OSError):
                 os.chdir(cwd)

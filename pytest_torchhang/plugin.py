@@ -36,8 +36,9 @@ _PER_TEST = "torchhang-per-test"
 _ITEM_SETTINGS = pytest.StashKey[settings.ItemSettings]()
 
 _TORCH_HANG_HELP = (
-    f"{settings.MARKER}(timeout=None, isolate=False): bound this test by timeout seconds "
-    "(0 = off) with pytest-torchhang; isolate=True runs it in a subprocess"
+    f"{settings.MARKER}(timeout=None, stall=None, isolate=False): bound this test by timeout "
+    "seconds, and fail it after stall seconds without progress (0 = off), with pytest-torchhang; "
+    "isolate=True runs it in a subprocess"
 )
 
 
@@ -51,6 +52,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Fail a test that runs longer than SECONDS, with the stacks of every process in its "
         f"tree, then kill that tree; 0 turns it off (env {settings.TIMEOUT_ENV}, "
         f"ini {settings.TIMEOUT_INI})",
+    )
+    group.addoption(
+        settings.STALL_OPTION,
+        dest="torch_hang_stall",
+        default=None,
+        metavar="SECONDS",
+        help="Fail a test whose process tree makes no progress (DataLoader batches, optimizer "
+        "steps, collectives, pytest_torchhang.progress()) for SECONDS; 0 turns it off "
+        f"(env {settings.STALL_ENV}, ini {settings.STALL_INI})",
+    )
+    group.addoption(
+        settings.HUNT_OPTION,
+        dest="torch_hang_hunt",
+        default=None,
+        metavar="N",
+        help="Hunt rare hangs: run each selected test up to N times under the guard, stopping "
+        "at its first hang, and show each distinct way it hung once",
+    )
+    group.addoption(
+        settings.HUNT_ALL_OPTION,
+        dest="torch_hang_hunt_all",
+        action="store_true",
+        default=False,
+        help=f"With {settings.HUNT_OPTION}: run all N runs and count the hangs",
+    )
+    group.addoption(
+        settings.HUNT_STRESS_OPTION,
+        dest="torch_hang_hunt_stress",
+        action="store_true",
+        default=False,
+        help=f"With {settings.HUNT_OPTION}: make races likelier (tiny switch interval in every "
+        "process, the tree on one CPU, jittered process start-up); changes timing, not semantics",
     )
     group.addoption(
         settings.REPORT_DIR_OPTION,
@@ -68,6 +101,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini(
         settings.TIMEOUT_INI, "Seconds before a test counts as hung (0 = off)", default=""
+    )
+    parser.addini(
+        settings.STALL_INI,
+        "Seconds without progress before a test counts as stalled (0 = off)",
+        default="",
     )
     parser.addini(settings.REPORT_DIR_INI, "Directory for one JSON report per hang", default="")
     parser.addini(
@@ -175,7 +213,8 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     state = item.config.stash.get(_SESSION, None)
     if state is None:
         return None  # off Linux: pytest-timeout keeps its own deadline
-    state.arm(item, float(settings.timeout))
+    item_settings = item.stash.get(_ITEM_SETTINGS, None)
+    state.arm(item, float(settings.timeout), item_settings.stall if item_settings else 0.0)
     return True
 
 
@@ -300,14 +339,16 @@ def _needs_per_test_hooks(config: pytest.Config, items: list[pytest.Item]) -> bo
     state = config.stash.get(_SESSION, None)
     if state is None:
         return False
-    if state.settings.timeout > 0:
+    if state.settings.timeout > 0 or state.settings.stall > 0:
         return True
     timeout_plugin = getattr(getattr(config, "_env_timeout", None), "timeout", None)
     if timeout_plugin:  # pytest-timeout's --timeout / ini / PYTEST_TIMEOUT: taken over here
         return True
     for item in items:
         item_settings = item.stash.get(_ITEM_SETTINGS, None)
-        if item_settings is not None and (item_settings.timeout > 0 or item_settings.isolate):
+        if item_settings is not None and (
+            item_settings.timeout > 0 or item_settings.stall > 0 or item_settings.isolate
+        ):
             return True
         if "torch_hang" in getattr(item, "fixturenames", ()):
             return True
@@ -330,8 +371,8 @@ class _PerTestHooks:
         item_settings = item.stash.get(_ITEM_SETTINGS, None) or settings.item_settings(
             item, state.settings
         )
-        if item_settings.timeout > 0:
-            state.arm(item, item_settings.timeout)
+        if item_settings.timeout > 0 or item_settings.stall > 0:
+            state.arm(item, item_settings.timeout, item_settings.stall)
         try:
             return (yield)
         finally:

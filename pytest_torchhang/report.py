@@ -209,16 +209,16 @@ def edge_text(edge: WaitEdge, roles: dict[int, str]) -> str:
 MAX_EDGES = 6
 
 
-def _task_lines(task: TaskWait, roles: dict[int, str], indent: str) -> list[str]:
+def _task_lines(task: TaskWait, roles: dict[int, str], indent: str, own_pid: int) -> list[str]:
     out = [f"{indent}blocked in {task.summary()}" if task.call != "running" else f"{indent}running"]
-    edges = [e for e in task.waits_for if not e.tid]  # thread-to-thread edges: too many to list
-    others = len([e for e in task.waits_for if e.tid])
+    edges = task.waits_for
     for edge in edges[:MAX_EDGES]:
-        out.append(f"{indent}  waits for {edge_text(edge, roles)}")
+        if edge.pid == own_pid and not edge.tid and not edge.via.startswith(("pipe:", "/")):
+            out.append(f"{indent}  waits for {edge.via}")
+        else:
+            out.append(f"{indent}  waits for {edge_text(edge, roles)}")
     if len(edges) > MAX_EDGES:
         out.append(f"{indent}  ... and {len(edges) - MAX_EDGES} more")
-    if others:
-        out.append(f"{indent}  waits for one of {others} other thread(s) of this process")
     return out
 
 
@@ -248,7 +248,7 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
         words += [f"[{role}]"] if role else []
         out.append(f"    {' '.join(words)} (most recent call first):")
         if thread.ident in tasks:
-            out.extend(_task_lines(tasks[thread.ident], roles, "      "))
+            out.extend(_task_lines(tasks[thread.ident], roles, "      ", proc.pid))
         if not thread.frames:
             out.append("        <no Python frame>")
         for frame in thread.frames:
@@ -262,18 +262,20 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
             out.append("        ...")
     if len(proc.threads) > MAX_THREADS:
         out.append(f"    ... {len(proc.threads) - MAX_THREADS} more thread(s) not shown")
-    native = [t for t in proc.tasks if not t.python_thread and t.waits_for]
+    native = [
+        t for t in proc.tasks if not t.python_thread and any(e.pid != proc.pid for e in t.waits_for)
+    ]
     if native and proc.threads:
         out.append(
             f"    threads without a Python stack that wait on other processes ({len(native)}):"
         )
         for task in native[:MAX_THREADS]:
             out.append(f'      thread {task.tid} "{task.name}":')
-            out.extend(_task_lines(task, roles, "        "))
+            out.extend(_task_lines(task, roles, "        ", proc.pid))
     elif not proc.threads and proc.tasks:
         for task in proc.tasks[:MAX_THREADS]:
             out.append(f'    thread {task.tid} "{task.name}" ({task.state}):')
-            out.extend(_task_lines(task, roles, "      "))
+            out.extend(_task_lines(task, roles, "      ", proc.pid))
     if proc.collectives:
         out.append("    collectives (flight recorder, oldest first):")
         out.extend(

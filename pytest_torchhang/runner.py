@@ -179,6 +179,11 @@ class Runner:
         # that happens to need it first: its deadline is paused meanwhile.
         self._pause_deadline = pause_deadline or contextlib.nullcontext
 
+    def use_dump_dir(self, dump_dir: str) -> None:
+        """Have children dump their stacks (and state their roles) into the guard's directory,
+        so a hang of the whole test, not only of one call, finds them (a stall, a timeout)."""
+        self.dump_dir = dump_dir
+
     def live_zygote(self) -> Zygote | None:
         return self._zygote if self._zygote is not None and self._zygote.alive() else None
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from . import guard, processwide, proctree, runner, settings, testreport
+from . import _progress, guard, processwide, proctree, runner, settings, testreport
 from .monitor import MonitorClient
 from .report import HangReport
 from .watchdog import TestDeadline, Watchdog
@@ -21,6 +21,8 @@ from .watchdog import TestDeadline, Watchdog
 PIPELINE_WAIT_S = 30.0
 
 DEADLINE = pytest.StashKey[TestDeadline]()
+#: --torch-hang-hunt-stress: the start-up hook of every process of the tree makes races likelier.
+STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
 
 
 def xdist_worker(config: pytest.Config) -> str | None:
@@ -66,11 +68,14 @@ class GuardSession:
     leftovers: list[str] = field(default_factory=list)  # what was killed at the end, described
     notes: list[str] = field(default_factory=list)  # the guard's own troubles, said once
     subprocess_runner: runner.Runner | None = None
+    _board: _progress.Reader | None = None
 
     def get_runner(self) -> runner.Runner:
         """The subprocess runner (and its zygote), created on first use."""
         if self.subprocess_runner is None:
             self.subprocess_runner = runner.Runner(self.paused_deadline)
+            if self.dump_dir is not None:
+                self.subprocess_runner.use_dump_dir(self.dump_dir)
         return self.subprocess_runner
 
     def own_pids(self, start: bool = True) -> set[int]:
@@ -87,6 +92,8 @@ class GuardSession:
         if self.watchdog is not None:
             return self.watchdog
         self.dump_dir = processwide.acquire(self._take_error)
+        if self.subprocess_runner is not None:
+            self.subprocess_runner.use_dump_dir(self.dump_dir)
         self.monitor = MonitorClient(
             self.dump_dir, self.stderr_fd, self.settings.report_dir, spare_root=self.in_thread
         )
@@ -105,10 +112,11 @@ class GuardSession:
         current = self.current
         return current.take_error() if current is not None else None
 
-    def arm(self, item: pytest.Item, timeout_s: float) -> TestDeadline:
-        """Put ``item`` under a deadline ``timeout_s`` from now (or tighten the one it has)."""
+    def arm(self, item: pytest.Item, timeout_s: float, stall_s: float = 0.0) -> TestDeadline:
+        """Put ``item`` under a deadline ``timeout_s`` from now (or tighten the one it has),
+        and, with ``stall_s``, under stall detection: fail after that long without progress."""
         watchdog = self.activate()
-        deadline_at = time.monotonic() + timeout_s
+        deadline_at = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
         held = item.stash.get(DEADLINE, None)
         if held is not None:
             if held.tighten(deadline_at, timeout_s):
@@ -116,7 +124,7 @@ class GuardSession:
             return held
         target = guard.GuardTarget(
             test_id=item.nodeid,
-            timeout_s=timeout_s,
+            timeout_s=timeout_s if timeout_s > 0 else stall_s,
             root_pid=os.getpid(),
             dump_dir=self.dump_dir,
             exclude=self.own_pids(),
@@ -128,6 +136,10 @@ class GuardSession:
         if worker:
             target.root_role = f"pytest (xdist worker {worker})"
         held = TestDeadline(target, deadline_at, threading.get_ident(), item=item)
+        if stall_s > 0:
+            held.stall_s, held.board = stall_s, self._progress_board()
+        if self.settings.hunt_stress:
+            os.environ[STRESS_ENV] = "1"
         item.stash[DEADLINE] = held
         self.current = held
         watchdog.arm(held)
@@ -155,8 +167,23 @@ class GuardSession:
         if self.current is held:
             self.current = None
 
+    def _progress_board(self) -> _progress.Reader:
+        """A fresh progress board for the test about to run, named in its environment."""
+        assert self.dump_dir is not None
+        path = os.path.join(self.dump_dir, f"progress-{os.getpid()}")
+        _progress.create(path)  # the same file each test, wiped: every mapping of it stays valid
+        os.environ[_progress.PROGRESS_ENV] = path
+        _progress.install()  # beats in this process too (the test iterates a DataLoader here)
+        if self._board is None:
+            self._board = _progress.Reader(path)
+        return self._board
+
     def finish(self, held: TestDeadline) -> None:
         """The test is over: lift its deadline, remember what it left running."""
+        if held.board is not None:
+            os.environ.pop(_progress.PROGRESS_ENV, None)
+        if self.settings.hunt_stress:
+            os.environ.pop(STRESS_ENV, None)
         self.disarm(held)
         if held.fired:
             held.done.wait(PIPELINE_WAIT_S)

@@ -13,6 +13,12 @@ import pytest
 TIMEOUT_OPTION = "--torch-hang-timeout"
 TIMEOUT_INI = "torch_hang_timeout"
 TIMEOUT_ENV = "PYTEST_TORCH_HANG_TIMEOUT"
+STALL_OPTION = "--torch-hang-stall"
+STALL_INI = "torch_hang_stall"
+STALL_ENV = "PYTEST_TORCH_HANG_STALL"
+HUNT_OPTION = "--torch-hang-hunt"
+HUNT_ALL_OPTION = "--torch-hang-hunt-all"
+HUNT_STRESS_OPTION = "--torch-hang-hunt-stress"
 REPORT_DIR_OPTION = "--torch-hang-report-dir"
 REPORT_DIR_INI = "torch_hang_report_dir"
 NATIVE_OPTION = "--torch-hang-native"
@@ -56,14 +62,46 @@ def fail_collection_on_bad_markers(
     return report
 
 
-def parse_timeout(value: object, source: str) -> float:
+def parse_timeout(value: object, source: str, off: str = "the guard") -> float:
     """Turn ``value`` into seconds (0 = off) or raise a usage error naming ``source``."""
     seconds = seconds_or_nan(value)
     if not math.isfinite(seconds) or seconds < 0:
         raise pytest.UsageError(
-            f"{source} must be a finite number of seconds >= 0 (0 turns the guard off), got {value!r}"
+            f"{source} must be a finite number of seconds >= 0 (0 turns {off} off), got {value!r}"
         )
     return seconds
+
+
+def _seconds(
+    config: pytest.Config, dest: str, option: str, ini: str, env: str, off: str
+) -> tuple[float, str]:
+    """A number of seconds from ini < env < command line, and where it came from."""
+    seconds, source = 0.0, "default"
+    ini_value = config.getini(ini)
+    if ini_value not in ("", None):
+        seconds, source = parse_timeout(ini_value, f"ini option {ini}", off), "ini"
+    env_value = os.environ.get(env)
+    if env_value not in (None, ""):
+        seconds, source = parse_timeout(env_value, f"environment variable {env}", off), "env"
+    cli_value = config.getoption(dest)
+    if cli_value is not None:
+        seconds, source = parse_timeout(cli_value, option, off), "command line"
+    return seconds, source
+
+
+def _hunt_runs(config: pytest.Config) -> int:
+    value = config.getoption("torch_hang_hunt")
+    if value is None:
+        return 0
+    try:
+        runs = int(value, 10)
+    except ValueError:
+        runs = -1
+    if runs < 1:
+        raise pytest.UsageError(
+            f"{HUNT_OPTION} must be a whole number of runs >= 1 per selected test, got {value!r}"
+        )
+    return runs
 
 
 @dataclass(frozen=True)
@@ -74,20 +112,32 @@ class SessionSettings:
     source: str  # where the timeout came from, for messages and the report header
     report_dir: str | None
     native: bool
+    stall: float = 0.0  # fail after this long without progress; 0 means off
+    hunt: int = 0  # runs per selected test when hunting rare hangs; 0 means not hunting
+    hunt_all: bool = False  # hunt: run all of them, rather than stop at the first hang
+    hunt_stress: bool = False  # hunt: make races likelier (switch interval, one CPU, jitter)
 
 
 def session_settings(config: pytest.Config) -> SessionSettings:
     """Resolve the session-wide settings (ini < env < CLI); raises pytest.UsageError when invalid."""
-    timeout, source = 0.0, "default"
-    ini_value = config.getini(TIMEOUT_INI)
-    if ini_value not in ("", None):
-        timeout, source = parse_timeout(ini_value, f"ini option {TIMEOUT_INI}"), "ini"
-    env_value = os.environ.get(TIMEOUT_ENV)
-    if env_value not in (None, ""):
-        timeout, source = parse_timeout(env_value, f"environment variable {TIMEOUT_ENV}"), "env"
-    cli_value = config.getoption("torch_hang_timeout")
-    if cli_value is not None:
-        timeout, source = parse_timeout(cli_value, TIMEOUT_OPTION), "command line"
+    timeout, source = _seconds(
+        config, "torch_hang_timeout", TIMEOUT_OPTION, TIMEOUT_INI, TIMEOUT_ENV, "the guard"
+    )
+    stall, _ = _seconds(
+        config, "torch_hang_stall", STALL_OPTION, STALL_INI, STALL_ENV, "stall detection"
+    )
+    hunt = _hunt_runs(config)
+    hunt_all = bool(config.getoption("torch_hang_hunt_all"))
+    hunt_stress = bool(config.getoption("torch_hang_hunt_stress"))
+    if (hunt_all or hunt_stress) and not hunt:
+        flag = HUNT_ALL_OPTION if hunt_all else HUNT_STRESS_OPTION
+        raise pytest.UsageError(f"{flag} goes with {HUNT_OPTION}=N (how many runs per test)")
+    if hunt and not (timeout or stall):
+        raise pytest.UsageError(
+            f"{HUNT_OPTION} needs a bound for each run, so that a hang ends and is counted: "
+            f"set {TIMEOUT_OPTION}=SECONDS or {STALL_OPTION}=SECONDS (or their ini keys or "
+            "environment variables)"
+        )
     # A relative directory is fixed now, not at hang time (a test may chdir): the command line's
     # against the invocation directory, the ini file's against the ini file's directory.
     report_dir, dir_source = config.getoption("torch_hang_report_dir"), REPORT_DIR_OPTION
@@ -114,7 +164,7 @@ def session_settings(config: pytest.Config) -> SessionSettings:
             f"ini option {NATIVE_INI} must be true or false, got {config.inicfg.get(NATIVE_INI)!r}"
         ) from None
     native = bool(config.getoption("torch_hang_native")) or native_ini
-    return SessionSettings(timeout, source, report_dir, native)
+    return SessionSettings(timeout, source, report_dir, native, stall, hunt, hunt_all, hunt_stress)
 
 
 @dataclass(frozen=True)
@@ -123,12 +173,16 @@ class ItemSettings:
 
     timeout: float
     isolate: bool
+    stall: float = 0.0
 
 
-def _marker_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, bool]:
-    unknown = set(kwargs) - {"timeout", "isolate"}
+_MARKER_SIGNATURE = "(timeout=None, stall=None, isolate=False)"
+
+
+def _marker_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, Any, bool]:
+    unknown = set(kwargs) - {"timeout", "stall", "isolate"}
     if unknown or len(args) > 1:
-        raise TypeError(f"takes (timeout=None, isolate=False), got args={args!r} kwargs={kwargs!r}")
+        raise TypeError(f"takes {_MARKER_SIGNATURE}, got args={args!r} kwargs={kwargs!r}")
     if args and "timeout" in kwargs:
         raise TypeError(
             f"timeout given twice (positionally {args[0]!r} and as timeout={kwargs['timeout']!r})"
@@ -137,18 +191,23 @@ def _marker_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any,
     isolate = kwargs.get("isolate", False)
     if not isinstance(isolate, bool):
         raise TypeError(f"isolate must be True or False, got {isolate!r}")
-    return timeout, isolate
+    return timeout, kwargs.get("stall"), isolate
 
 
 def item_settings(item: pytest.Item, session: SessionSettings) -> ItemSettings:
     """Apply the closest ``torch_hang`` marker to the session settings; usage error when invalid."""
     marker = item.get_closest_marker(MARKER)
     if marker is None:
-        return ItemSettings(session.timeout, False)
+        return ItemSettings(session.timeout, False, session.stall)
     source = f"@pytest.mark.{MARKER} on {item.nodeid}"
     try:
-        timeout, isolate = _marker_args(marker.args, marker.kwargs)
+        timeout, stall, isolate = _marker_args(marker.args, marker.kwargs)
     except TypeError as exc:
         raise pytest.UsageError(f"{source}: {exc}") from None
     seconds = session.timeout if timeout is None else parse_timeout(timeout, f"{source}: timeout")
-    return ItemSettings(seconds, isolate)
+    stall_s = (
+        session.stall
+        if stall is None
+        else parse_timeout(stall, f"{source}: stall", "stall detection")
+    )
+    return ItemSettings(seconds, isolate, stall_s)

@@ -6,10 +6,10 @@ that thread holds the GIL in C code, the watchdog cannot run: the monitor proces
 
 One test's deadline moves through these states, each change made under one lock::
 
-    ARMED --deadline--> FIRING --report ready--> FIRED --HangError raised or attached--> DELIVERED
-      ^                                            |  (interrupted again every second)      |
-      |                                            +-- re-killed now and then               |
-      +---------- (the test's teardown outlives its grace: FIRING again) <------------------+
+    ARMED --deadline, or no progress for the stall time--> FIRING --report ready--> FIRED
+    FIRED --HangError raised or attached--> DELIVERED
+    FIRED: interrupted again every second, the tree re-killed now and then
+    DELIVERED --the test's teardown outlives its grace--> FIRING (a second hang, in teardown)
     any state --test over, or a debugger--> DISARMED
 
 Only FIRED, while the test's own code runs (setup, call or teardown), allows an interrupt.
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import guard
+from . import _progress, guard
 from .exceptions import HangError
 from .monitor import MonitorClient
 from .processwide import INTERRUPT_SIGNAL
@@ -41,6 +41,9 @@ INTERRUPT_EVERY_S = 1.0
 REKILL_EVERY = 5
 #: At most this many kills of one tree per hang; then only the monitor's hard stop is left.
 MAX_KILLS = 3
+#: Stall detection looks at the progress board at least this often, keeping this many samples.
+SAMPLE_EVERY_S = 5.0
+MAX_SAMPLES = 120
 
 
 class State(enum.Enum):
@@ -78,6 +81,14 @@ class TestDeadline:
     interrupts: int = 0
     kills: int = 0
     done: threading.Event = field(default_factory=threading.Event)  # no capture in progress
+    #: Stall detection: fail after this long without progress on the board (0: off).
+    stall_s: float = 0.0
+    board: _progress.Reader | None = None
+    stall_base: float = field(default_factory=time.monotonic)  # progress counts from here
+    paused: bool = False
+    stalled: bool = False  # the hang being declared is a stall, not a timeout
+    #: (seconds since the test began, beats per kind) every few seconds: the stall report's history
+    samples: list[tuple[float, list[int]]] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +106,15 @@ class TestDeadline:
     def step(self, now: float) -> tuple[Action | None, float]:
         """What to do now, and when to look again (called by the watchdog thread)."""
         with self._lock:
+            if self.state is State.ARMED and self.stall_s and not self.paused:
+                stall_at = self._stall_at(now)
+                if now >= stall_at and stall_at < self.deadline:
+                    self.stalled = True
+                    self.state = State.FIRING
+                    self.done.clear()
+                    return Action.FIRE, float("inf")
+                # look again at the stall time, or sooner to keep the history going
+                return None, min(self.deadline, stall_at, now + SAMPLE_EVERY_S)
             if now < self.deadline or self.state is State.DISARMED:
                 return None, self.deadline if self.state is not State.DISARMED else float("inf")
             if self.state in (State.ARMED, State.DELIVERED):
@@ -108,6 +128,23 @@ class TestDeadline:
                     return Action.REKILL, self.deadline
                 return Action.INTERRUPT, self.deadline
             return None, float("inf")  # FIRING: the watchdog itself is at work
+
+    def _stall_at(self, now: float) -> float:
+        """When the tree will have gone ``stall_s`` without progress; samples the board."""
+        last = self.stall_base
+        if self.board is not None:
+            last = max(last, self.board.last())
+            counts = self.board.snapshot().counts
+            if not self.samples or now - self.target.started - self.samples[-1][0] >= 1.0:
+                self.samples.append((now - self.target.started, counts))
+                del self.samples[:-MAX_SAMPLES]
+        return last + self.stall_s
+
+    def first_check(self) -> float:
+        """When the watchdog must look at this deadline first: its time, or its stall time."""
+        if self.stall_s and self.state is State.ARMED:
+            return min(self.deadline, self.stall_base + self.stall_s)
+        return self.deadline
 
     def fire_done(self, report: HangReport, now: float) -> None:
         """The tree was captured and killed: from now on the test is interrupted until it raises."""
@@ -167,10 +204,13 @@ class TestDeadline:
                 return float("nan")
             left = self.deadline - time.monotonic()
             self.deadline = float("inf")
+            self.paused = True
             return left
 
     def resume(self, left: float) -> None:
         with self._lock:
+            self.paused = False
+            self.stall_base = time.monotonic()  # the stall clock starts again, too
             if self.state is State.ARMED and left == left:  # NaN: it was not paused
                 self.deadline = time.monotonic() + left
 
@@ -242,7 +282,7 @@ class Watchdog:
             self._current = deadline
             # Wake the thread only when it would otherwise sleep past this deadline: tests
             # shorter than their timeout then cost no thread switch at all.
-            if deadline.deadline < self._wake_at:
+            if deadline.first_check() < self._wake_at:
                 self._cond.notify()
         self._tell_monitor(deadline)
 
@@ -316,6 +356,8 @@ class Watchdog:
             report = guard.capture(target, skip_threads=skip)
         except Exception as exc:  # report what is known, and still kill the tree
             report = _failed_report(deadline, exc)
+        if deadline.stalled:
+            _as_stall(report, deadline)
         try:
             guard.kill(target, report)
         except Exception as exc:
@@ -347,3 +389,54 @@ def _failed_report(deadline: TestDeadline, exc: BaseException) -> HangReport:
         headline=f"HANG after {elapsed:.1f}s in {target.test_id}: the stacks could not be taken",
         notes=[f"pytest-torchhang's capture failed: {exc!r}; the tree was killed all the same"],
     )
+
+
+def _duration(seconds: float) -> str:
+    """``12.0s``, or ``3m12s`` from a minute on."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}m{rest:02d}s"
+
+
+_RATE_UNITS = ("batches/s", "optimizer steps/s", "collectives/s", "progress() calls/s")
+
+
+def _as_stall(report: HangReport, deadline: TestDeadline) -> None:
+    """Make the report a stall's: its headline says what progress looked like and when it stopped.
+
+    ``STALL after 3m12s in test_x: no progress for 30.0s (last: DataLoader batch 812 of epoch
+    3 at 2m42s; before that 6.1 batches/s and 3.0 optimizer steps/s)``
+    """
+    target = deadline.target
+    snapshot = deadline.board.snapshot() if deadline.board is not None else None
+    if snapshot is None or snapshot.kind < 0:
+        progress = "no progress at all since the test began"
+    else:
+        at = max(0.0, snapshot.last - target.started)
+        progress = f"last: {snapshot.describe_last()} at {_duration(at)}"
+        rates = [
+            f"{rate:.1f} {unit}"
+            for kind, unit in enumerate(_RATE_UNITS)
+            if (rate := snapshot.rate(kind)) is not None
+        ]
+        if rates:
+            progress += "; before that " + " and ".join(rates)
+    where = target.test_id + (f" (during {target.phase})" if target.phase != "call" else "")
+    silent = report.elapsed_s - (
+        max(snapshot.last, deadline.stall_base) - target.started
+        if snapshot is not None and snapshot.kind >= 0
+        else deadline.stall_base - target.started
+    )
+    report.headline = (
+        f"STALL after {_duration(report.elapsed_s)} in {where}: no progress for "
+        f"{min(silent, report.elapsed_s):.1f}s ({progress})"
+    )
+    report.kind = "stall"
+    report.progress = {
+        "stall_s": deadline.stall_s,
+        "kinds": list(_progress.KINDS),
+        "counts": snapshot.counts if snapshot is not None else [],
+        "last": progress,
+        "history": [{"t": round(t, 3), "counts": counts} for t, counts in deadline.samples],
+    }

@@ -153,12 +153,12 @@ CASES = [
     ),
     Case(
         "marker-unknown-kwarg",
-        (f"{MARKER}takes (timeout=None, isolate=False)", "'bogus'"),
+        (f"{MARKER}takes (timeout=None, stall=None, isolate=False)", "'bogus'"),
         marker="torch_hang(bogus=1)",
     ),
     Case(
         "marker-two-positionals",
-        (f"{MARKER}takes (timeout=None, isolate=False)", "args=(1, 2)"),
+        (f"{MARKER}takes (timeout=None, stall=None, isolate=False)", "args=(1, 2)"),
         marker="torch_hang(1, 2)",
     ),
     Case(

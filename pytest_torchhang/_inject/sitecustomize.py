@@ -10,20 +10,47 @@ import os as _os
 import sys as _sys
 
 
+def _load(package_dir: str, name: str) -> object:
+    """Load ``pytest_torchhang.<name>`` by path, without importing the package (it needs
+    pytest), under its package name: a later ``from pytest_torchhang import <name>`` in this
+    process gets this very module (one registration, one at-fork handler, one open file)."""
+    spec = _ilu.spec_from_file_location(
+        f"pytest_torchhang.{name}", _os.path.join(package_dir, f"{name}.py")
+    )
+    if spec is None or spec.loader is None:
+        return None
+    module = _ilu.module_from_spec(spec)
+    _sys.modules[f"pytest_torchhang.{name}"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stress() -> None:
+    """--torch-hang-hunt-stress: switch threads as often as possible, and start (and fork)
+    each process after a random pause of up to 5 ms, so races get more chances to show."""
+    import random
+
+    _sys.setswitchinterval(1e-6)
+
+    def jitter() -> None:
+        import time
+
+        time.sleep(random.random() * 0.005)
+
+    jitter()
+    _os.register_at_fork(after_in_child=jitter)
+
+
 def _torchhang_bootstrap() -> None:
     here = _os.path.dirname(_os.path.abspath(__file__))
+    package_dir = _os.path.dirname(here)
     try:
-        # Loaded under its package name (without importing the package, which needs pytest), so
-        # a later ``from pytest_torchhang import _hook`` in this process gets this very module:
-        # one registration, one at-fork handler, one open dump file.
-        spec = _ilu.spec_from_file_location(
-            "pytest_torchhang._hook", _os.path.join(_os.path.dirname(here), "_hook.py")
-        )
-        if spec is not None and spec.loader is not None:
-            hook = _ilu.module_from_spec(spec)
-            _sys.modules["pytest_torchhang._hook"] = hook
-            spec.loader.exec_module(hook)
-            hook.install()
+        hook = _load(package_dir, "_hook")
+        hook.install()  # type: ignore[attr-defined]
+        if _os.environ.get("PYTEST_TORCH_HANG_PROGRESS"):  # stall detection is armed
+            _load(package_dir, "_progress").install()  # type: ignore[attr-defined]
+        if _os.environ.get("PYTEST_TORCH_HANG_STRESS"):
+            _stress()
     except Exception:  # never break the child's start-up
         pass
     _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != here]
