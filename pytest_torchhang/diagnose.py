@@ -155,6 +155,7 @@ _THREAD_ROLES: list[tuple[str, tuple[str, ...], str]] = [
         "Manager server thread",
     ),
     ("pytest_torchhang/watchdog.py", (), "torch-hang watchdog"),
+    ("pytest_torchhang/_hook.py", ("_serve_collectives",), "torch-hang flight-recorder listener"),
 ]
 
 
@@ -960,9 +961,10 @@ def _hint_dead(procs: list[ProcessReport]) -> list[Hint]:
                 text,
                 [f"pid {proc.pid} is a zombie: {proc.exit_status} (/proc/{proc.pid}/stat)"]
                 + _edge_lines(waiters, proc)
-                + [f"{_who(r)} in {_collective(r)}" for r in ranks],
+                + [f"{r.role} in {_collective(r)}" for r in ranks],
                 rule="dead",
-                pids=[proc.pid, *(p.pid for p, _ in waiters), *(r.pid for r in ranks)],
+                # not the ranks: the rank rules say what they know about the missing one
+                pids=[proc.pid, *(p.pid for p, _ in waiters)],
             )
         )
     return hints

@@ -109,11 +109,16 @@ _PLUGIN_BOTTOM = (
 PLUGIN_CUT = "<pytest-torchhang>"
 
 
+def _plugin_frame(frame: Frame) -> bool:
+    name = frame.filename.replace(os.sep, "/")
+    return name.endswith(_PLUGIN_BOTTOM) or name == "<frozen runpy>"
+
+
 def trim_plugin_frames(stack: ThreadStack) -> None:
     """Cut the plugin's own frames (zygote, child, jobs, runpy) below a child's user code."""
     frames = stack.frames
     cut = len(frames)
-    while cut > 0 and frames[cut - 1].filename.replace(os.sep, "/").endswith(_PLUGIN_BOTTOM):
+    while cut > 0 and _plugin_frame(frames[cut - 1]):
         cut -= 1
     if 0 < cut < len(frames):
         stack.frames = [

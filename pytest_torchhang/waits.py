@@ -11,6 +11,7 @@ import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from stat import S_ISFIFO
 
 from .report import Collective, ProcessReport, TaskWait, WaitEdge
 from .stacks import ThreadStack
@@ -281,7 +282,7 @@ class _Reader:
             return
         label = f"fd {fd}: {target}"
         task.obj = f"{task.obj}, {label}" if task.obj else label
-        if target.startswith("pipe:"):
+        if target.startswith("pipe:") or _is_fifo(pid, fd):
             want_writer = not write
             ends = []
             for holder, hfd in self.holders(target):
@@ -361,8 +362,10 @@ class _Reader:
                 task.waits_for.append(
                     WaitEdge(0, 0, "no other thread in this process can release it")
                 )
-            for t in others[:MAX_TASKS]:
-                task.waits_for.append(WaitEdge(pid, int(t), "another thread of this process"))
+            else:  # one edge for all of them: any other thread of this process may release it
+                task.waits_for.append(
+                    WaitEdge(pid, 0, f"one of the {len(others)} other thread(s) of this process")
+                )
             return
         mapping = next(((k, p) for s, e, k, p in self.maps(pid) if s <= addr < e), None)
         if mapping is None:
@@ -411,6 +414,13 @@ class _Reader:
             task.waits_for.append(WaitEdge(child, 0, "its exit (the parent waits for its child)"))
         if not wanted:
             task.waits_for.append(WaitEdge(0, 0, "no child left to wait for"))
+
+
+def _is_fifo(pid: int, fd: int) -> bool:
+    try:
+        return S_ISFIFO(os.stat(f"/proc/{pid}/fd/{fd}").st_mode)
+    except OSError:
+        return False
 
 
 def _addr(hexaddr: str) -> str:
@@ -713,6 +723,8 @@ def attach(
             continue
         report.tasks = member.tasks
         match_threads(report.pid, report.threads, report.tasks)
+        main = next((t.python_thread for t in report.tasks if t.tid == report.pid), "")
+        report.threads.sort(key=lambda t: t.ident != main)  # the main thread first
         if member.stopped and not report.state.startswith("stopped"):
             report.state = "stopped (SIGSTOP)"
     for member in evidence.members.values():

@@ -44,7 +44,8 @@ def test_openmp_after_fork_and_busy_children_get_their_hints(guarded: GuardedRun
         session,
         "test_op_in_a_fork_after_the_parent_ran_ops",
         "hint: 1 forked process(es) are stuck (blocked or spinning) in a C call*OpenMP after fork*torch.set_num_threads(1)*",
-        "*based on: multiprocessing.Process(target=child_op) (pid *), forked from pid *: y = x @ x",
+        "*based on: multiprocessing.Process(target=child_op) (pid *), forked from pid *: y = x @ x; "
+        "its 1 thread(s): futex",
     )
     busy = assert_hang(
         session,
@@ -164,4 +165,40 @@ def test_children_still_importing_at_the_deadline_get_their_hint(guarded: Guarde
         "hint: 1 process(es) are still starting up, importing modules*the deadline may be shorter*",
         "*[[]multiprocessing child (still starting: importing)[]]*",
     )
+    session.assert_clean()
+
+
+PLUGIN_FRAMES = """
+import threading
+
+import pytest
+
+from pytest_torchhang import HangError
+
+
+def wait_for_ever():
+    threading.Event().wait()
+
+
+def test_a_child_hangs(torch_hang):
+    with pytest.raises(HangError) as caught:
+        torch_hang.run(wait_for_ever, timeout=2)
+    print(caught.value.report.to_text())
+"""
+
+
+def test_the_plugins_own_frames_are_cut_in_children(guarded: GuardedRunner) -> None:
+    # as pytest's own frames are cut in the pytest process: the child's stack ends at the
+    # user's function, not in the zygote, child.py or runpy
+    guarded.pytester.makepyfile(test_frames=PLUGIN_FRAMES)
+    session = guarded.run("-s", timeout=60)
+    session.result.assert_outcomes(passed=1)
+    out = session.result.stdout.str()
+    child = out[out.index("[torch_hang.run(wait_for_ever) child]") :]
+    assert "in wait_for_ever\n" in child and "threading.Event().wait()" in child
+    assert "... pytest-torchhang's own frames cut" in child
+    for internal in ("zygote.py", "pytest_torchhang/child.py", "runpy.py"):
+        assert internal not in child
+    assert "hint: torch_hang.run(wait_for_ever) child (pid " in out
+    assert "waits in Event.wait() at test_frames.py:" in out
     session.assert_clean()

@@ -214,3 +214,19 @@ def test_the_read_is_fast_and_bounded(processes: int) -> None:
         for child in children:
             child.kill()
             child.wait()
+
+
+def test_a_fifo_reader_waits_for_the_processes_that_opened_it_for_writing(tmp_path: object) -> None:
+    fifo = os.path.join(str(tmp_path), "fifo")
+    os.mkfifo(fifo)
+    reader = subprocess.Popen([sys.executable, "-c", f"open({fifo!r}).read()"])
+    writer = subprocess.Popen(["sh", "-c", f"exec 3>{fifo}; sleep 30"])
+    try:
+        _blocked(reader.pid, "read")
+        task = waits.read([reader.pid, writer.pid]).members[reader.pid].tasks[0]
+        assert task.obj.endswith(f": {fifo}")
+        assert [e.pid for e in task.waits_for] == [writer.pid]
+    finally:
+        for proc in (reader, writer):
+            proc.kill()
+            proc.wait()
