@@ -22,6 +22,7 @@ from . import settings
 
 if TYPE_CHECKING:
     from .fixtures import TorchHang
+    from .hunt import HuntPlugin
     from .report import HangReport
     from .session import GuardSession
     from .watchdog import TestDeadline
@@ -33,6 +34,7 @@ EXIT_GRACE_S = 15.0
 
 _SESSION = pytest.StashKey["GuardSession"]()
 _PER_TEST = "torchhang-per-test"
+_HUNT = "torchhang-hunt"
 _ITEM_SETTINGS = pytest.StashKey[settings.ItemSettings]()
 
 _TORCH_HANG_HELP = (
@@ -125,6 +127,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
     config.stash[_SESSION] = GuardSession(config, session_settings, os.dup(2))
     config.pluginmanager.register(devices.DevicePlugin(config), "torchhang-devices")
+    if session_settings.hunt:
+        from .hunt import HuntPlugin
+
+        hunter = HuntPlugin(
+            config, session_settings.hunt, session_settings.hunt_all, session_settings.hunt_stress
+        )
+        config.pluginmanager.register(hunter, _HUNT)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -188,6 +197,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         and _needs_per_test_hooks(config, items)
     ):
         config.pluginmanager.register(_PerTestHooks(state), _PER_TEST)
+
+
+def _hunter(config: pytest.Config) -> HuntPlugin | None:
+    return config.pluginmanager.get_plugin(_HUNT)
 
 
 def _deadline(item: pytest.Item) -> TestDeadline | None:
@@ -288,6 +301,12 @@ def pytest_terminal_summary(
             f"killed {len(state.leftovers)} process(es) at session end: tests started them and "
             "left them running (they would have blocked pytest's exit or outlived it)"
         )
+    hunter = _hunter(config)
+    if hunter is not None and hunter.tests:
+        terminalreporter.write_sep("=", "torch-hang hunt", bold=True)
+        for line in hunter.summary_lines():
+            write(line)
+        hunter.write_json(state.settings.report_dir)
     stats = terminalreporter.stats
     hangs = [r for r in stats.get("failed", []) + stats.get("error", []) if testreport.is_hang(r)]
     if not hangs:
@@ -373,9 +392,14 @@ class _PerTestHooks:
         )
         if item_settings.timeout > 0 or item_settings.stall > 0:
             state.arm(item, item_settings.timeout, item_settings.stall)
+        hunter = _hunter(item.config)
+        if hunter is not None:
+            hunter.begin_run()
         try:
             return (yield)
         finally:
+            if hunter is not None:
+                hunter.end_run()
             held = _deadline(item)
             if held is not None:
                 state.finish(held)
@@ -434,6 +458,9 @@ class _PerTestHooks:
 
         testreport.mark_hang(item, report, hang, self.state.json_path(hang, item.nodeid))
         self.state.hangs.append((item.nodeid, hang.headline))
+        hunter = _hunter(item.config)
+        if hunter is not None:
+            report.user_properties.extend(hunter.found(item.nodeid, hang))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
