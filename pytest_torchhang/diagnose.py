@@ -774,6 +774,28 @@ def _ignored(proc: ProcessReport, task: TaskWait) -> bool:
     return any(_PLUGIN in f.filename for f in thread.frames[:3])
 
 
+#: Libraries that wait with a timeout of their own choosing, only to check for errors, and
+#: then wait again (DataLoader's ``_try_get_data``, a Pool's handler threads, a rank's store).
+_RETRY_LOOPS = (
+    "torch/utils/data/",
+    "torch/distributed/",
+    "multiprocessing/pool.py",
+    "multiprocessing/managers.py",
+    "multiprocessing/queues.py",
+    "multiprocessing/resource_sharer.py",
+)
+
+
+def _user_timeout(proc: ProcessReport, task: TaskWait) -> bool:
+    """A timed wait whose timeout the user chose (``event.wait(1)`` in a loop of theirs): the
+    thread wakes up and may do what others wait for. Not a library's error-checking loop."""
+    thread = _task_thread(proc, task)
+    if thread is None:
+        return False  # native threads (gloo, OpenMP) poll with timeouts to check for shutdown
+    paths = [f.filename.replace(os.sep, "/") for f in thread.frames]
+    return not any(loop in path for path in paths for loop in _RETRY_LOOPS)
+
+
 def _kind(proc: ProcessReport, task: TaskWait) -> str:
     """stopped, dead, running, sleeping, blocked (edges in the tree), outside or unknown."""
     if proc.exit_status:
@@ -784,6 +806,8 @@ def _kind(proc: ProcessReport, task: TaskWait) -> str:
         return "running"
     if task.call in _SLEEP_CALLS:
         return "sleeping"
+    if task.timed and _user_timeout(proc, task):
+        return "sleeping"  # it wakes up by itself, and may then do what others wait for
     if not task.waits_for:
         return "unknown"
     if any(e.pid < 0 for e in task.waits_for):

@@ -45,6 +45,7 @@ class TaskWait:
     sp: int = 0  # stack pointer (matches the thread to its Python stack)
     python_thread: str = ""  # ident of the Python thread this is, when known
     before_test: bool = False  # started before the test began (an earlier test's, a session's)
+    timed: bool = False  # the wait has a timeout: the thread wakes up by itself
 
     def summary(self) -> str:
         """``read(fd 3: pipe:[307072]) [anon_pipe_read]``, or ``running``."""

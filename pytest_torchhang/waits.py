@@ -248,6 +248,7 @@ class _Reader:
             return task
         task.call = SYSCALLS.get(nr, f"syscall {nr}")
         task.args = args
+        task.timed = _timed(task.call, args)
         if not self.late():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 self._resolve(pid, task)
@@ -414,6 +415,27 @@ class _Reader:
             task.waits_for.append(WaitEdge(child, 0, "its exit (the parent waits for its child)"))
         if not wanted:
             task.waits_for.append(WaitEdge(0, 0, "no child left to wait for"))
+
+
+_NO_TIMEOUT = {(1 << 64) - 1, (1 << 32) - 1}  # -1 as the kernel shows it
+
+
+def _timed(call: str, args: list[int]) -> bool:
+    """Whether a blocking call was given a timeout (it returns by itself when that runs out)."""
+    if len(args) < 5:
+        return False
+    if call == "poll":
+        return args[2] not in _NO_TIMEOUT
+    if call.startswith("epoll"):
+        return args[3] not in _NO_TIMEOUT
+    if call in ("ppoll", "futex"):
+        # futex: FUTEX_WAIT / FUTEX_WAIT_BITSET with a timespec
+        return bool(args[2 if call == "ppoll" else 3]) and (
+            call == "ppoll" or args[1] & 0x7F in (0, 9)
+        )
+    if call in ("select", "pselect6"):
+        return bool(args[4])
+    return False
 
 
 def _is_fifo(pid: int, fd: int) -> bool:

@@ -230,3 +230,44 @@ def test_a_fifo_reader_waits_for_the_processes_that_opened_it_for_writing(tmp_pa
         for proc in (reader, writer):
             proc.kill()
             proc.wait()
+
+
+def _wait_with_a_timeout() -> None:
+    event = threading.Event()
+    while not event.wait(5):
+        pass
+
+
+def test_timed_waits_are_told_from_waits_without_a_timeout() -> None:
+    with _child(_wait_with_a_timeout) as timed, _child(_wait_on_event_after_fork) as untimed:
+        _blocked(timed, "futex")
+        _blocked(untimed, "futex")
+        assert _main(timed).timed
+        assert not _main(untimed).timed
+
+
+def test_unix_socket_and_tcp_peers_are_found() -> None:
+    import socket
+
+    left, right = socket.socketpair()
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    holder = subprocess.Popen(["sleep", "30"], pass_fds=(right.fileno(), accepted.fileno()))
+    right.close()
+    accepted.close()
+    try:
+        with _child(lambda: left.recv(1)) as unix_reader, _child(lambda: client.recv(1)) as tcp:
+            _blocked(unix_reader, "recvfrom")
+            _blocked(tcp, "recvfrom")
+            graph = waits.read([unix_reader, tcp, holder.pid])
+            unix_edges = graph.members[unix_reader].tasks[0].waits_for
+            tcp_edges = graph.members[tcp].tasks[0].waits_for
+            assert [(e.pid, e.via.split(" ")[0]) for e in unix_edges] == [(holder.pid, "unix")]
+            assert [(e.pid, e.via.split(" ")[0]) for e in tcp_edges] == [(holder.pid, "tcp")]
+            assert "127.0.0.1:" in tcp_edges[0].via
+    finally:
+        holder.kill()
+        holder.wait()
+        for sock in (left, server, client):
+            sock.close()
