@@ -185,8 +185,10 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     own = _capture_tids(skip_threads)
     if target.root_in_process and target.roots is None:
         cpu_before[target.root_pid] = waits.cpu_s(target.root_pid, own)  # not the capture's own
-    evidence = waits.read([p.pid for p in procs], own)
-    asked = waits.request_collectives([p.pid for p in procs], target.dump_dir)
+    evidence = waits.read([p.pid for p in procs], own, newer_than_s=t0 - target.started)
+    own_stacks = None
+    if target.root_in_process and target.roots is None:
+        own_stacks = in_process_threads(skip_threads)  # as the kernel saw them, before any signal
     now = time.time()
     facts = {p.pid: _facts(p, now, Dump(""), cpu_before.get(p.pid, 0.0)) for p in procs}
     idents: list[ProcessId] = []
@@ -199,8 +201,8 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
             ):
                 idents.append(ProcessId(proc.pid, proc.create_time()))
     dumps = request_dumps(idents, target.dump_dir, target.capture_budget_s)
-    if target.root_in_process and target.roots is None:
-        dumps[target.root_pid] = Dump("ok", in_process_threads(skip_threads))
+    if own_stacks is not None:
+        dumps[target.root_pid] = Dump("ok", own_stacks)
     for dump in dumps.values():
         for thread in dump.threads:
             trim_pytest_frames(thread)
@@ -217,7 +219,9 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         for p in procs
     ]
     env = {p.pid: _environ(p) for p in procs if p.pid != target.root_pid}
-    fr_wait = max(0.2, target.capture_budget_s - (time.monotonic() - t0))
+    # Ranks' flight recorders after the CPU sample: answering costs them a little CPU.
+    asked = waits.request_collectives([r.pid for r in reports], target.dump_dir)
+    fr_wait = max(0.3, target.capture_budget_s - (time.monotonic() - t0))
     wait_notes = waits.attach(
         reports, evidence, waits.collect_collectives(asked, target.dump_dir, fr_wait)
     )
