@@ -178,6 +178,7 @@ class HuntPlugin:
         # where a worker tells the others that a test hung (stop at the first hang, under xdist)
         self.found_dir = os.path.join(tempfile.gettempdir(), f"torchhang-hunt-{uid}")
         self._affinity: set[int] | None = None
+        self._not_run: set[str] = set()  # runs skipped after their test's first hang
         self._switch = sys.getswitchinterval()
 
     # --- the runs ---------------------------------------------------------------------------
@@ -247,6 +248,7 @@ class HuntPlugin:
         hunted = self.tests.setdefault(test_id, Hunted(test_id, self.runs))
         if report.when == "setup" and report.skipped:
             hunted.skipped += 1
+            self._not_run.add(report.nodeid)
             return
         properties = dict(report.user_properties)
         text = properties.get(SIGNATURE_PROPERTY)
@@ -262,7 +264,7 @@ class HuntPlugin:
             run = run_number(report.nodeid)
             if run not in sig.runs:
                 sig.runs.append(run)
-        if report.when == "teardown":
+        if report.when == "teardown" and report.nodeid not in self._not_run:
             hunted.runs += 1
             hunted.seconds += report.duration
             self._tell_progress()

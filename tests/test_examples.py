@@ -13,7 +13,7 @@ from conftest import GuardedRunner, assert_hang
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 #: The README's main command uses this timeout; each deliberate hang sets a shorter one itself.
 TIMEOUT_S = 20
-#: Everything (pytest and torch start-up, training, three hangs) takes about 40 s on 2 cores, and
+#: Everything (pytest and torch start-up, training, four hangs) takes about 50 s on 2 cores, and
 #: 150 s with the rest of the suite and two CPU hogs beside it: the bound only catches a run that
 #: sat out its deadlines.
 WALL_BOUND_S = 420
@@ -42,6 +42,18 @@ HANGS = {
         "*dist.all_reduce(metric)",
         "*dist.barrier()*",
     ],
+}
+#: examples/hangs/: stalls on purpose (no progress for its stall time, long before the timeout).
+STALLS = {
+    "test_the_third_epoch_never_starts": [
+        "STALL after * no progress for 5.0s (last: optimizer step *; before that *batches/s*",
+        "hint: 2 DataLoader worker(s) wait for a lock*",
+        "*with _LABELS_LOCK:",
+    ],
+}
+#: Skipped by the main run: the hunt example runs only when hunting.
+HUNT_EXAMPLES = {
+    "test_a_child_forked_while_a_thread_holds_a_lock": "a rare hang: run it with --torch-hang-hunt=100"
 }
 #: gpu(n) examples: skipped on a machine without GPUs, with the plugin's reason.
 GPU_EXAMPLES = {
@@ -94,21 +106,32 @@ def test_the_examples_pass_and_their_deliberate_hangs_are_caught_with_hints(
     )
 
     outcomes = _outcomes(junit_xml)
-    assert sorted(outcomes) == sorted([*HANGS, *GPU_EXAMPLES, *PASSING]), session.text[-3000:]
+    assert sorted(outcomes) == sorted([*HANGS, *STALLS, *HUNT_EXAMPLES, *GPU_EXAMPLES, *PASSING]), (
+        session.text[-3000:]
+    )
     for name, expected in HANGS.items():
         outcome, message, properties = outcomes[name]
         assert (outcome, properties.get("torch_hang")) == ("failure", "true"), name
         assert message.startswith("HANG after 3."), message
         assert_hang(session, name, *expected)
         session.result.stdout.fnmatch_lines([f"HANG *{name}*"])  # the short test summary
-    for name, reason in GPU_EXAMPLES.items():
+    for name, expected in STALLS.items():
+        outcome, message, properties = outcomes[name]
+        assert (outcome, properties.get("torch_hang")) == ("failure", "true"), name
+        assert message.startswith("STALL after "), message
+        report = session.report_of(name)
+        missing = [p for p in expected if not fnmatch.filter(report.splitlines(), p)]
+        assert not missing, f"missing {missing} in:\n{report[:4000]}"
+    for name, reason in {**GPU_EXAMPLES, **HUNT_EXAMPLES}.items():
         outcome, message, _ = outcomes[name]
         assert outcome == "skipped", (name, outcome, message[:2000])
         assert fnmatch.fnmatch(message, reason), (name, message)
     failed = {n: outcomes[n][:2] for n in PASSING if outcomes[n][0] != "passed"}
     assert not failed, f"examples that should pass did not: {failed}\n{session.text[-6000:]}"
     session.result.assert_outcomes(
-        passed=len(PASSING), failed=len(HANGS), skipped=len(GPU_EXAMPLES)
+        passed=len(PASSING),
+        failed=len(HANGS) + len(STALLS),
+        skipped=len(GPU_EXAMPLES) + len(HUNT_EXAMPLES),
     )
     session.result.stdout.fnmatch_lines(["*= torch-hang summary =*"])
     assert session.wall_s < WALL_BOUND_S, f"the example run took {session.wall_s:.0f}s"

@@ -142,6 +142,8 @@ def test_by_default_a_hunt_stops_at_the_first_hang_and_xdist_spreads_the_runs(
     one = next(line for line in summary.splitlines() if "test_one_rare_deadlock:" in line)
     assert "distinct signature" in one and "more run(s) not needed after its first hang" in one
     assert "hung 0 of" not in one, one
+    ran, skipped = int(one.split(" of ")[1].split()[0]), int(one.split("; ")[-1].split()[0])
+    assert ran + skipped == 100, one  # every run counted once, as run or as not needed
     assert "test_races.py::test_never_hangs: hung 0 of 100 runs" in summary
     assert session.result.ret == 1
 
