@@ -31,6 +31,7 @@ DATALOADER, OPTIMIZER, COLLECTIVE, EXPLICIT = range(len(KINDS))
 # 5 note length; per kind k from slot 8: count, first time, last time. The note from byte 512.
 _KIND_BASE = 8
 _NOTE_AT, _NOTE_BYTES = 512, 256
+_OPTIMIZER_BASE = _KIND_BASE + 3 * OPTIMIZER
 
 _COLLECTIVES = (
     "all_reduce",
@@ -98,13 +99,15 @@ def create(path: str) -> None:
         os.close(fd)
 
 
-def beat(kind: int, number: int = 0, epoch: int = 0) -> None:
+def beat(
+    kind: int, number: int = 0, epoch: int = 0, _now: Callable[[], float] = time.monotonic
+) -> None:
     """Record one unit of progress of ``kind`` (the hot path: a handful of stores)."""
     floats = _Board.floats
     if floats is None:
         return
     ints = _Board.ints
-    now = time.monotonic()
+    now = _now()
     base = _KIND_BASE + 3 * kind
     count = ints[base] + 1
     ints[base] = count
@@ -221,8 +224,25 @@ def _patch_dataloader(module: ModuleType) -> None:
     iterator._torchhang_beats = True
 
 
-def _optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    beat(OPTIMIZER)
+def _optimizer_step(
+    optimizer: Any, args: Any, kwargs: Any, _now: Callable[[], float] = time.monotonic
+) -> None:
+    # beat(OPTIMIZER), inlined: this runs after every optimizer step of the tree
+    floats = _Board.floats
+    if floats is None:
+        return
+    ints = _Board.ints
+    now = _now()
+    count = ints[_OPTIMIZER_BASE] + 1
+    ints[_OPTIMIZER_BASE] = count
+    if count == 1:
+        floats[_OPTIMIZER_BASE + 1] = now
+    floats[_OPTIMIZER_BASE + 2] = now
+    ints[1] = OPTIMIZER + 1
+    ints[2] = _Board.pid
+    ints[3] = count
+    ints[4] = 0
+    floats[0] = now
 
 
 def _patch_optimizer(module: ModuleType) -> None:

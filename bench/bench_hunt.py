@@ -1,0 +1,73 @@
+"""Hang hunting's speed: runs per second of ``--torch-hang-hunt``, next to a fresh pytest per run.
+
+Two tests are hunted, as users run it (``--torch-hang-hunt=N --torch-hang-timeout=60
+--torch-hang-hunt-all``): a trivial test, and one that takes two batches from a 4-worker
+FakeData DataLoader. The alternative, taking turns with it: a shell loop that starts
+``pytest -k test`` once per run. Goal (issue 12): at least 20 runs/s for the trivial test.
+Per run = (session with N runs - session with 1 run) / (N - 1): pytest's and torch's start-up
+are paid once per hunt, and this leaves them out. Run: ``python bench/bench_hunt.py [--runs N]``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import textwrap
+from pathlib import Path
+
+from _common import machine, median, parser, run_session, table
+
+TESTS = textwrap.dedent(
+    """
+    import torch
+    from torch.utils.data import DataLoader
+    from torchvision import transforms
+    from torchvision.datasets import FakeData
+
+
+    def test_trivial():
+        assert 1 + 1 == 2
+
+
+    def test_loader():
+        data = FakeData(size=64, image_size=(3, 32, 32), transform=transforms.ToTensor())
+        for index, _batch in enumerate(DataLoader(data, batch_size=16, num_workers=4)):
+            if index == 1:
+                break
+    """
+)
+
+
+def main() -> None:
+    args_parser = parser(__doc__)
+    args_parser.add_argument("--runs", type=int, default=200, help="Runs of the trivial test")
+    args_parser.add_argument("--rounds", type=int, default=3, help="Sessions of each kind")
+    args = args_parser.parse_args()
+    rounds = 1 if args.quick else args.rounds
+    runs = {"test_trivial": 20 if args.quick else args.runs, "test_loader": 4 if args.quick else 20}
+    fresh_runs = 2 if args.quick else 5
+    guard = ["--torch-hang-timeout=60", "-p", "no:randomly", "-W", "ignore::UserWarning"]
+    per_run: dict[str, list[float]] = {name: [] for name in runs}
+    fresh: dict[str, list[float]] = {name: [] for name in runs}
+    with tempfile.TemporaryDirectory(prefix="bench-hunt-") as tmp:
+        root = Path(tmp)
+        (root / "test_hunted.py").write_text(TESTS)
+        for _ in range(rounds):
+            for name, n in runs.items():
+                hunt = [*guard, "--torch-hang-hunt-all", "-k", name]
+                one = run_session(root, [*hunt, "--torch-hang-hunt=1"]).wall_s
+                many = run_session(root, [*hunt, f"--torch-hang-hunt={n}"]).wall_s
+                per_run[name].append((many - one) / (n - 1))
+                walls = [run_session(root, [*guard, "-k", name]).wall_s for _ in range(fresh_runs)]
+                fresh[name].append(median(walls))
+    print(f"hang hunting: time per run ({machine()})")
+    print(f"{rounds} round(s); hunted runs: {runs}; fresh sessions: {fresh_runs} a round")
+    rows = []
+    for name in runs:
+        hunted, alone = median(per_run[name]), median(fresh[name])
+        rows.append((name, hunted, 1 / hunted, alone, alone / hunted))
+    table(["test", "s/run hunted", "runs/s", "s/run fresh", "x faster"], rows, first=20)
+    print(f"trivial test: {rows[0][2]:.0f} runs/s hunted (goal: at least 20)")
+
+
+if __name__ == "__main__":
+    main()
