@@ -30,8 +30,9 @@ _SHM_PREFIXES = ("sem.mp-", "torch_", "psm_")
 _PRIVATE_SHM = 'mount --bind "$0" /dev/shm && exec "$@"'
 
 
-#: Tests whose inner sessions import torch (node id prefixes). The rest of the suite also runs
-#: where torch is not installed (the fast tox environments, one per Python version).
+#: Tests that import torch, or whose inner sessions do (node id prefixes; a test file can also
+#: mark itself with ``pytestmark = pytest.mark.needs_torch``). The rest of the suite also runs
+#: where torch is not installed: the fast tox environments, one per Python version.
 NEEDS_TORCH = (
     "tests/test_dataloader_hangs.py::",
     "tests/test_distributed_hangs.py::",
@@ -41,6 +42,17 @@ NEEDS_TORCH = (
     "tests/test_diagnosis_rules.py::",
     "tests/test_fault_matrix.py::test_crashes_are_reported_as_crashes_at_once",
     "tests/test_fault_matrix.py::test_the_zygote_start_up",
+    "tests/test_fixture_env.py::",
+    "tests/test_ownership.py::test_module_scoped_persistent_workers",
+    "tests/test_reports.py::test_junit_xml_json_files",
+    "tests/test_reports.py::test_under_xdist_the_controller",
+    "tests/test_reports.py::test_github_actions",
+    "tests/test_reports.py::test_the_report_and_json_carry_wait_for_edges",
+    "tests/test_devices.py::test_detection_and_skipping_neither_import_torch",
+    "tests/test_devices.py::test_the_report_header_shows_torch",
+    "tests/test_devices.py::test_the_torch_build_is_read_without_importing_torch",
+    "tests/test_bench.py::",
+    "tests/test_stall.py::",
 )
 
 _HOGS = pytest.StashKey[list[subprocess.Popen[bytes]]]()
