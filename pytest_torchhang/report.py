@@ -67,7 +67,7 @@ class Collective:
 
     def label(self) -> str:
         """``#12 all_reduce([1024])``."""
-        sizes = ", ".join(str(s) for s in self.sizes)
+        sizes = ", ".join(str(s) if s else "scalar" for s in self.sizes)
         return f"#{self.seq} {self.name}" + (f"({sizes})" if sizes else "")
 
 
