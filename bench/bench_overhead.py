@@ -14,11 +14,13 @@ modified copy of the package), measured in the same rounds as today's code.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
-from _common import OUT_ENV, machine, median, parser, run_session, spread, table
+from _common import OUT_ENV, clean_env, machine, median, parser, run_session, spread, table
 
 # Timed by the session itself: collection, and the run loop after the first test (whose
 # one-off costs, such as starting the plugin's monitor process, are left out: the conftest lets
@@ -86,8 +88,9 @@ CONFTEST = textwrap.dedent(
             return (yield)
         finally:
             wall2, cpu2 = _now()
-            wall, cpu = FIGURES.pop("start")
-            FIGURES["run_wall"], FIGURES["run_cpu"] = wall2 - wall, cpu2 - cpu
+            if "start" in FIGURES:  # not in a --collect-only session
+                wall, cpu = FIGURES.pop("start")
+                FIGURES["run_wall"], FIGURES["run_cpu"] = wall2 - wall, cpu2 - cpu
 
 
     def pytest_unconfigure(config):
@@ -133,6 +136,50 @@ def configurations(
         configs[f"{INERT} [{name}]"] = (["-p", "no:timeout"], path)
         configs[f"{GUARD} [{name}]"] = (["-p", "no:timeout", "--torch-hang-timeout=60"], path)
     return configs
+
+
+def _imported(root: Path, args: list[str]) -> dict[str, int]:
+    """module -> own import time (us) in a collect-only session, from ``python -X importtime``."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-X", "importtime", "-m", "pytest", "-q", "-p", "no:cacheprovider"),
+            *(*args, "--collect-only", "test_trivial.py"),
+        ],
+        cwd=root,
+        env=clean_env(**{OUT_ENV: str(root / "import-session.json")}),  # for the conftest
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    own = {}
+    for line in done.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line and "self [us]" not in line:
+            self_us, _cumulative, name = line[len("import time:") :].split("|")
+            own[name.strip()] = int(self_us)
+    return own
+
+
+def import_cost(root: Path, repeats: int) -> tuple[float, float]:
+    """What the plugin's import adds to an inert session, in ms: (all of it, the guard's part).
+
+    The modules imported with the plugin and not without, their own import times summed; the
+    guard's part is the modules a guarded test needs and an inert session could do without.
+    """
+    totals, guard = [], []
+    for _ in range(repeats):
+        base = _imported(root, ["-p", "no:torchhang", "-p", "no:timeout"])
+        inert = _imported(root, ["-p", "no:timeout"])
+        added = {name: us for name, us in inert.items() if name not in base}
+        totals.append(sum(added.values()) / 1000)
+        guard.append(
+            sum(us for name, us in added.items() if name.split(".")[-1] in GUARD_MODULES) / 1000
+        )
+    return median(totals), median(guard)
+
+
+#: Modules only a guarded test, a hang or the fixture needs.
+GUARD_MODULES = {"guard", "diagnose", "report", "stacks", "waits", "runner", "native", "child"}
 
 
 def main() -> None:
@@ -181,9 +228,9 @@ def main() -> None:
                     figures["collect_wall"] / tests + figures["run_wall"] / (tests - 1)
                 )
                 sample["collect"].append(figures["collect_wall"] / tests)
-                sample["wall"].append(
-                    session.wall_s - figures["settle"]
-                )  # less the conftest's wait
+                # less the conftest's wait for the monitor's start
+                sample["wall"].append(session.wall_s - figures["settle"])
+        total_import, guard_import = import_cost(root, 1 if options.quick else 5)
 
     def per_test(name: str, key: str) -> float:
         """Median of ``key`` for ``name`` minus the no-plugin session's, in ms per test."""
@@ -235,6 +282,11 @@ def main() -> None:
                 f"inert {per_test(f'{INERT} [{variant}]', key):.3f}"
             )
         print(line)
+    print(
+        f"\nimport: the plugin adds {total_import:.1f} ms of imports to an inert session "
+        f"(once a session), {guard_import:.1f} ms of them the guard's modules "
+        f"({', '.join(sorted(GUARD_MODULES))})"
+    )
 
 
 if __name__ == "__main__":

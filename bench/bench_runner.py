@@ -26,8 +26,12 @@ from pathlib import Path
 
 from _common import OUT_ENV, machine, parser, run_session, table
 
+# Like a user's test code, the module of the jobs imports torch: a spawned child imports it too.
 JOBS = textwrap.dedent(
     """
+    import torch  # noqa: F401
+
+
     def trivial(x=0):
         return x + 1
 
@@ -181,7 +185,7 @@ LABELS = {
     "run_spawn": "torch_hang.run, start_method='spawn'",
     "distributed": "torch_hang.distributed(world_size=2), gloo",
     "tmp_spawn": "torch.multiprocessing.spawn, 2 ranks + gloo",
-    "mp_spawn": "multiprocessing spawn Process(trivial)",
+    "mp_spawn": "multiprocessing spawn Process(trivial), imports torch",
     "fresh": "fresh interpreter importing torch",
 }
 
