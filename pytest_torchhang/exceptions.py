@@ -66,7 +66,7 @@ def add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:
-        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # type: ignore[attr-defined,unused-ignore]
 
 
 def _nearest_line(code: CodeType, lasti: int) -> tuple[int, int]:

@@ -25,6 +25,8 @@ SHM_DIR = "/dev/shm"
 _SHM_PREFIXES = ("sem.mp-", "torch_", "psm_")
 _TORCH_SHM_PID = re.compile(r"^torch_(\d+)_")
 
+#: After the last SIGKILL, how long the killed get to die before any is called a survivor.
+SETTLE_S = 1.0
 #: Helpers that clean up shared memory when their clients are gone, if given a moment to.
 TRACKER_GRACE_S = {"resource_tracker": 2.0, "torch_shm_manager": 4.0}
 
@@ -329,13 +331,24 @@ def kill_tree(
             break
         time.sleep(0.02 if targets else 0.05)
     result.spared = list(spared.values())
-    for pid, ident in seen.items():
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            if same_process(proc, ident) and not is_zombie(proc):
-                result.survivors.append(ident)
+    # SIGKILL is not instant: a busy machine may take a moment to end a process (one that left
+    # the tree meanwhile, reparented when its parent died, is no longer listed above). Give the
+    # killed a bounded moment to die before calling any of them a survivor.
+    settle_until = min(deadline, time.monotonic() + SETTLE_S)
+    while (alive := [i for i in seen.values() if _alive(i)]) and time.monotonic() < settle_until:
+        time.sleep(0.01)
+    result.survivors = alive
     result.reaped = reap(result.killed)
     return result
+
+
+def _alive(ident: ProcessId) -> bool:
+    """Whether ``ident`` still runs (a zombie, or a recycled pid, does not)."""
+    try:
+        proc = psutil.Process(ident.pid)
+        return same_process(proc, ident) and not is_zombie(proc)
+    except psutil.Error:
+        return False
 
 
 def _maps_torch_shm(pid: int) -> bool:
