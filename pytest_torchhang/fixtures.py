@@ -189,6 +189,31 @@ class TorchHang:
         The process group (gloo on CPU, nccl when each rank can have a leased GPU of its own) is
         set up through a FileStore private to this call and destroyed after ``fn``.
         """
+        backend = self._backend(world_size, backend)
+        check_picklable(fn, "torch_hang.distributed's callable")
+        seconds, method = self._timeout(timeout), self._method(start_method)
+        init_seconds = (
+            self._timeout(init_timeout, "init_timeout") if init_timeout is not None else seconds
+        )
+        the_runner = self._get_runner()
+        ranks = self._start_ranks(
+            the_runner, fn, args, kwargs, world_size, backend, method, seconds, init_seconds
+        )
+        label = f"torch_hang.distributed({_name(fn)}, world_size={world_size}) in {self._test_id}"
+        left = runner.wait(the_runner, ranks, seconds, stop_on_error=True)
+        failed = [c for c in ranks if the_runner.failed(c)]
+        if failed:
+            self._raise_first_failure(the_runner, ranks, failed, left, label, seconds)
+        if left <= 0 and any(the_runner.is_running(c) for c in ranks):
+            report = runner.hang_report(the_runner, ranks, label, seconds, self._native)
+            self._relay(the_runner, ranks)
+            runner.raise_hang(report)
+        self._relay(the_runner, ranks)
+        return [runner.raise_outcome(the_runner, c) for c in ranks]
+
+    def _backend(self, world_size: int, backend: str | None) -> str:
+        """The backend to use (gloo, or nccl when every rank has a GPU of its own); bad input
+        is a ValueError that says what to do."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         gpus = self._gpus or []
@@ -204,17 +229,27 @@ class TorchHang:
                 f"backend 'nccl' needs one GPU per rank: world_size {world_size}, GPUs leased to this "
                 f"test: {len(gpus)}. Mark the test @pytest.mark.gpu({world_size}), or use backend='gloo'."
             )
-        check_picklable(fn, "torch_hang.distributed's callable")
-        seconds, method = self._timeout(timeout), self._method(start_method)
-        init_seconds = (
-            self._timeout(init_timeout, "init_timeout") if init_timeout is not None else seconds
-        )
-        the_runner = self._get_runner()
+        return backend
+
+    def _start_ranks(
+        self,
+        the_runner: runner.Runner,
+        fn: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        world_size: int,
+        backend: str,
+        method: str,
+        seconds: float,
+        init_seconds: float,
+    ) -> list[runner.Child]:
+        """One child per rank, each with its rank's environment (and leased GPU)."""
+        gpus = self._gpus or []
         store = os.path.join(the_runner.workdir, f"store-{os.getpid()}-{time.monotonic_ns()}")
         # gloo would wait 30 minutes by default: bound it, just past our own deadline, so the
         # plugin (which reports every rank's stack) decides first.
         pg_timeout = seconds + 5.0
-        children = []
+        ranks = []
         for rank in range(world_size):
             env: dict[str, str | None] = {
                 "RANK": str(rank),
@@ -225,7 +260,7 @@ class TorchHang:
             }
             if len(gpus) >= world_size:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[rank]  # this rank's leased GPU, alone
-            children.append(
+            ranks.append(
                 the_runner.start(
                     jobs.rank_main,
                     (fn, rank, world_size, backend, store, pg_timeout, init_seconds, args, kwargs),
@@ -235,49 +270,47 @@ class TorchHang:
                     env=env,
                 )
             )
-        label = f"torch_hang.distributed({_name(fn)}, world_size={world_size})"
-        left = runner.wait(the_runner, children, seconds, stop_on_error=True)
-        failed = [c for c in children if the_runner.failed(c)]
-        if failed:
-            first = min(failed, key=lambda c: c.ended)
-            # A rank that returns closes its connections before its outcome is written, so a
-            # peer can fail first: let the others report for a moment (bounded) before telling
-            # finished ranks from waiting ones. Waiting ranks stay blocked meanwhile: the failed
-            # rank lingers with its connections open.
-            others = [c for c in children if c not in failed]
-            runner.wait(the_runner, others, min(PEER_GRACE_S, max(left, 0.05)), stop_on_error=False)
-            waiting = [
-                c
-                for c in children
-                if c not in failed and the_runner.peek(c) is None and the_runner.is_running(c)
-            ]
-            fates = "\n".join(f"  {_fate(the_runner, c)}" for c in children if c is not first)
-            note = f"{first.role} failed first; the other ranks:\n{fates}"
-            if any(c.outcome is not None and c.outcome.ok for c in children):
-                note += (
-                    "\na rank that returns (or dies) while its peers are still in a collective "
-                    "makes them fail (gloo: connection reset) or wait forever (nccl)"
-                )
-            if waiting:
-                report = runner.hang_report(
-                    the_runner, waiting, f"{label} in {self._test_id}", seconds, self._native
-                )
-                note += "\nstacks of the ranks still running (then killed):\n" + report.to_text()
-            runner.stop(the_runner, children)
-            self._relay(the_runner, children)
-            try:
-                runner.raise_outcome(the_runner, first)
-            except BaseException as exc:
-                add_note(exc, note)
-                raise
-        if left <= 0 and any(the_runner.is_running(c) for c in children):
-            report = runner.hang_report(
-                the_runner, children, f"{label} in {self._test_id}", seconds, self._native
+        return ranks
+
+    def _raise_first_failure(
+        self,
+        the_runner: runner.Runner,
+        ranks: list[runner.Child],
+        failed: list[runner.Child],
+        left: float,
+        label: str,
+        seconds: float,
+    ) -> None:
+        """Raise the first failed rank's error, with what every other rank did as a note."""
+        first = min(failed, key=lambda c: c.ended)
+        # A rank that returns closes its connections before its outcome is written, so a peer
+        # can fail first: let the others report for a moment (bounded) before telling finished
+        # ranks from waiting ones. Waiting ranks stay blocked meanwhile: the failed rank lingers
+        # with its connections open.
+        others = [c for c in ranks if c not in failed]
+        runner.wait(the_runner, others, min(PEER_GRACE_S, max(left, 0.05)), stop_on_error=False)
+        waiting = [
+            c
+            for c in ranks
+            if c not in failed and the_runner.peek(c) is None and the_runner.is_running(c)
+        ]
+        fates = "\n".join(f"  {_fate(the_runner, c)}" for c in ranks if c is not first)
+        note = f"{first.role} failed first; the other ranks:\n{fates}"
+        if any(c.outcome is not None and c.outcome.ok for c in ranks):
+            note += (
+                "\na rank that returns (or dies) while its peers are still in a collective "
+                "makes them fail (gloo: connection reset) or wait forever (nccl)"
             )
-            self._relay(the_runner, children)
-            runner.raise_hang(report)
-        self._relay(the_runner, children)
-        return [runner.raise_outcome(the_runner, c) for c in children]
+        if waiting:
+            report = runner.hang_report(the_runner, waiting, label, seconds, self._native)
+            note += "\nstacks of the ranks still running (then killed):\n" + report.to_text()
+        runner.stop(the_runner, ranks)
+        self._relay(the_runner, ranks)
+        try:
+            runner.raise_outcome(the_runner, first)
+        except BaseException as exc:
+            add_note(exc, note)
+            raise
 
 
 def _fate(the_runner: runner.Runner, child: runner.Child) -> str:
