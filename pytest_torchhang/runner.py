@@ -232,29 +232,12 @@ class Runner:
                 f"start_method must be one of {', '.join(START_METHODS)}, got {method!r}"
             )
         payload = pickle.dumps((fn, args, kwargs))
-        n = next(self._ids)
-        base = os.path.join(self.workdir, f"{os.getpid()}-{n}")
+        base = os.path.join(self.workdir, f"{os.getpid()}-{next(self._ids)}")
         # The zygote's environment was fixed when it started: the child gets the calling test's
         # own, as it is now (monkeypatch.setenv, a marker's CUDA_VISIBLE_DEVICES), as a spawned
         # child would, plus the call's ``env``.
         child_env = self._child_env(env)
-        main = sys.modules.get("__main__")
-        main_path = getattr(main, "__file__", None) if b"__main__" in payload else None
-        header = (
-            f"{base}.result",
-            f"{base}.crash",
-            self.dump_dir,
-            role,
-            child_env,
-            list(sys.path),
-            os.getcwd(),
-            f"{base}.out",
-            main_path,
-        )
-        request = f"{base}.request"
-        with open(request, "wb") as out:
-            pickle.dump(header, out)
-            out.write(payload)
+        request = self._write_request(base, payload, role, child_env)
         popen = mp_process = None
         if method == "zygote":
             pid = self.zygote().fork(request)
@@ -264,21 +247,7 @@ class Runner:
             )
             pid = popen.pid
         else:
-            import multiprocessing
-            import multiprocessing.forkserver
-
-            from .child import run_request
-
-            context = multiprocessing.get_context("forkserver")
-            server = multiprocessing.forkserver._forkserver
-            if getattr(server, "_forkserver_pid", 1) is None:
-                # not started yet: let it import torch once instead of in every child
-                context.set_forkserver_preload(["torch", "pytest_torchhang.child"])
-            mp_process = context.Process(
-                target=run_request, args=(request,), name=role, daemon=False
-            )
-            mp_process.start()
-            assert mp_process.pid is not None
+            mp_process = _forkserver_process(request, role)
             pid = mp_process.pid
         try:
             ident = ProcessId(pid, psutil.Process(pid).create_time())
@@ -294,6 +263,27 @@ class Runner:
             popen=popen,
             mp_process=mp_process,
         )
+
+    def _write_request(self, base: str, payload: bytes, role: str, env: dict[str, str]) -> str:
+        """The request file a child reads: where to answer, its world, then the job itself."""
+        main = sys.modules.get("__main__")
+        main_path = getattr(main, "__file__", None) if b"__main__" in payload else None
+        header = (
+            f"{base}.result",
+            f"{base}.crash",
+            self.dump_dir,
+            role,
+            env,
+            list(sys.path),
+            os.getcwd(),
+            f"{base}.out",
+            main_path,
+        )
+        request = f"{base}.request"
+        with open(request, "wb") as out:
+            pickle.dump(header, out)
+            out.write(payload)
+        return request
 
     def poll(self, child: Child) -> bool:
         """True once the child has exited (its exit code and outcome are then set)."""
@@ -352,6 +342,24 @@ class Runner:
             self._zygote.close()
             self._zygote = None
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _forkserver_process(request: str, role: str) -> Any:
+    """A started ``multiprocessing`` forkserver Process that runs ``request``."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    from .child import run_request
+
+    context = multiprocessing.get_context("forkserver")
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", 1) is None:
+        # not started yet: let it import torch once instead of in every child
+        context.set_forkserver_preload(["torch", "pytest_torchhang.child"])
+    process = context.Process(target=run_request, args=(request,), name=role, daemon=False)
+    process.start()
+    assert process.pid is not None
+    return process
 
 
 def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error: bool) -> float:
