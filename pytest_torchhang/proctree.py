@@ -254,92 +254,125 @@ def kill_tree(
     (forkserver, resource_tracker: session-wide state of the root) alone. What existed in
     ``before`` (and its descendants) is never signalled. Bounded by ``budget_s``.
     """
-    excluded = set(exclude)
-    result = KillResult()
+    kill = _TreeKill(root_pid, set(exclude), include_root, spare_root_helpers, before)
     deadline = time.monotonic() + budget_s
-    seen: dict[int, ProcessId] = {}
-    stopped: set[int] = set()
-    graceful: dict[int, tuple[ProcessId, float]] = {}  # pid -> (ident, give-up time)
-    spared: dict[int, ProcessId] = {}
     stable_rounds = 0
     while time.monotonic() < deadline:
-        procs = descendants(root_pid, excluded, before)
-        if include_root:
+        targets, grew = kill.list_targets()
+        kill.freeze(targets)
+        if grew and stable_rounds < 20:
+            stable_rounds += 1
+            continue  # list again: a process may have forked before it was frozen
+        kill.kill(targets)
+        kill.end_graceful()
+        if not targets and not kill.graceful:
+            break
+        time.sleep(0.02 if targets else 0.05)
+    return kill.finish(min(deadline, time.monotonic() + SETTLE_S))
+
+
+@dataclass
+class _TreeKill:
+    """The state of one ``kill_tree``: whom it has seen, frozen, spared and is waiting for."""
+
+    root_pid: int
+    excluded: set[int]
+    include_root: bool
+    spare_root_helpers: bool
+    before: Births | None
+    result: KillResult = field(default_factory=KillResult)
+    seen: dict[int, ProcessId] = field(default_factory=dict)
+    stopped: set[int] = field(default_factory=set)
+    graceful: dict[int, tuple[ProcessId, float]] = field(default_factory=dict)  # give-up time
+    spared: dict[int, ProcessId] = field(default_factory=dict)
+
+    def list_targets(self) -> tuple[list[psutil.Process], bool]:
+        """The tree's processes to kill now, and whether any is new since the last listing."""
+        procs = descendants(self.root_pid, self.excluded, self.before)
+        if self.include_root:
             with contextlib.suppress(psutil.Error):
-                procs.append(psutil.Process(root_pid))
+                procs.append(psutil.Process(self.root_pid))
         targets: list[psutil.Process] = []
         grew = False
         for proc in procs:
-            if proc.pid in spared or proc.pid in graceful or is_zombie(proc):
+            if proc.pid in self.spared or proc.pid in self.graceful or is_zombie(proc):
                 continue
-            ident = seen.get(proc.pid)
+            ident = self.seen.get(proc.pid)
             if ident is None:
-                idents = identify([proc])
-                if proc.pid not in idents:
+                ident = self._first_sight(proc)
+                if ident is None:
                     continue
-                ident = idents[proc.pid]
-                cmdline = _safe_cmdline(proc)
-                kind = helper_kind(cmdline, _safe_name(proc))
-                try:
-                    parent = proc.ppid()
-                    if kind is not None and _safe_cmdline(psutil.Process(parent)) == cmdline:
-                        kind = None  # a child the helper forked (forkserver), not the helper
-                except psutil.Error:
-                    parent = -1
-                if kind is not None and spare_root_helpers and parent == root_pid:
-                    spared[proc.pid] = ident
-                    continue
-                if kind in TRACKER_GRACE_S and proc.pid != root_pid:
-                    graceful[proc.pid] = (ident, time.monotonic() + TRACKER_GRACE_S[kind])
-                    continue
-                seen[proc.pid] = ident
                 grew = True
             elif not same_process(proc, ident):
                 continue
             targets.append(proc)
+        return targets, grew
+
+    def _first_sight(self, proc: psutil.Process) -> ProcessId | None:
+        """Identify a process seen for the first time; None when it is not to be killed now
+        (gone, a helper of the root that is spared, a helper given a grace to clean up)."""
+        ident = identify([proc]).get(proc.pid)
+        if ident is None:
+            return None
+        cmdline = _safe_cmdline(proc)
+        kind = helper_kind(cmdline, _safe_name(proc))
+        try:
+            parent = proc.ppid()
+            if kind is not None and _safe_cmdline(psutil.Process(parent)) == cmdline:
+                kind = None  # a child the helper forked (forkserver), not the helper
+        except psutil.Error:
+            parent = -1
+        if kind is not None and self.spare_root_helpers and parent == self.root_pid:
+            self.spared[proc.pid] = ident
+            return None
+        if kind in TRACKER_GRACE_S and proc.pid != self.root_pid:
+            self.graceful[proc.pid] = (ident, time.monotonic() + TRACKER_GRACE_S[kind])
+            return None
+        self.seen[proc.pid] = ident
+        return ident
+
+    def freeze(self, targets: list[psutil.Process]) -> None:
         for proc in targets:
-            if proc.pid not in stopped and signal_process(seen[proc.pid], signal.SIGSTOP):
-                stopped.add(proc.pid)
-        if grew and stable_rounds < 20:
-            stable_rounds += 1
-            continue  # list again: a process may have forked before it was frozen
+            if proc.pid not in self.stopped and signal_process(self.seen[proc.pid], signal.SIGSTOP):
+                self.stopped.add(proc.pid)
+
+    def kill(self, targets: list[psutil.Process]) -> None:
         for proc in targets:
-            ident = seen[proc.pid]
-            if signal_process(ident, signal.SIGKILL) and ident not in result.killed:
-                result.killed.append(ident)
+            ident = self.seen[proc.pid]
+            if signal_process(ident, signal.SIGKILL) and ident not in self.result.killed:
+                self.result.killed.append(ident)
+
+    def end_graceful(self) -> None:
+        """Helpers that had a grace: gone by themselves, spared, or killed once it is over."""
         now = time.monotonic()
-        for pid, (ident, give_up) in list(graceful.items()):
-            try:
-                gone = not same_process(psutil.Process(pid), ident) or is_zombie(
-                    psutil.Process(pid)
-                )
-            except psutil.Error:
-                gone = True
-            if gone:
-                del graceful[pid]
-                result.killed.append(ident)  # it cleaned up and exited on its own
-            elif now >= give_up and not include_root and _maps_torch_shm(root_pid):
+        for pid, (ident, give_up) in list(self.graceful.items()):
+            if not _alive(ident):
+                del self.graceful[pid]
+                self.result.killed.append(ident)  # it cleaned up and exited on its own
+            elif now >= give_up and not self.include_root and _maps_torch_shm(self.root_pid):
                 # The root (the test process) still maps tensors this manager serves: killing
                 # it would make freeing them abort the root (libshm throws in a destructor). It
                 # exits, unlinking its segments, once they are freed or the root exits.
-                del graceful[pid]
-                spared[pid] = ident
+                del self.graceful[pid]
+                self.spared[pid] = ident
             elif now >= give_up and signal_process(ident, signal.SIGKILL):
-                del graceful[pid]
-                result.killed.append(ident)
-        if not targets and not graceful:
-            break
-        time.sleep(0.02 if targets else 0.05)
-    result.spared = list(spared.values())
-    # SIGKILL is not instant: a busy machine may take a moment to end a process (one that left
-    # the tree meanwhile, reparented when its parent died, is no longer listed above). Give the
-    # killed a bounded moment to die before calling any of them a survivor.
-    settle_until = min(deadline, time.monotonic() + SETTLE_S)
-    while (alive := [i for i in seen.values() if _alive(i)]) and time.monotonic() < settle_until:
-        time.sleep(0.01)
-    result.survivors = alive
-    result.reaped = reap(result.killed)
-    return result
+                del self.graceful[pid]
+                self.result.killed.append(ident)
+
+    def finish(self, settle_until: float) -> KillResult:
+        """Survivors, reaped children: the result."""
+        result = self.result
+        result.spared = list(self.spared.values())
+        # SIGKILL is not instant: a busy machine may take a moment to end a process (one that
+        # left the tree meanwhile, reparented when its parent died, is no longer listed). Give
+        # the killed a bounded moment to die before calling any of them a survivor.
+        while (alive := [i for i in self.seen.values() if _alive(i)]) and (
+            time.monotonic() < settle_until
+        ):
+            time.sleep(0.01)
+        result.survivors = alive
+        result.reaped = reap(result.killed)
+        return result
 
 
 def _alive(ident: ProcessId) -> bool:
