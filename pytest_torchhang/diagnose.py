@@ -426,6 +426,15 @@ def _hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
                 based,
             )
         )
+    elif waiting and len(waiting) == len(ranks) and set(waiting.values()) <= {"recv", "irecv"}:
+        hints.append(
+            Hint(
+                f"all {len(ranks)} ranks wait in recv and none sends: every recv needs a matching "
+                "send on its source rank (look for a rank-dependent branch that swapped a send "
+                "for a recv, or the wrong src/dst)." + detail,
+                based,
+            )
+        )
     elif waiting and len(waiting) < len(ranks):
         by_pid = {p.pid: p for p in procs}
         missing, cycles = [], []
@@ -765,13 +774,15 @@ def _main_task(proc: ProcessReport) -> TaskWait | None:
 
 
 def _ignored(proc: ProcessReport, task: TaskWait) -> bool:
-    """Threads that release nothing of the test's: the plugin's own (watchdog, monitor), and
-    threads without Python frames that were there before the test (an earlier test's gloo or
-    OpenMP threads, left in the pytest process)."""
+    """Threads that release nothing of the test's: the plugin's own (watchdog, monitor), and, in
+    the pytest process, threads that were there before the test began and are not running (an
+    earlier test's leftovers: they cannot know the pipes and locks this test created)."""
     thread = _task_thread(proc, task)
-    if thread is None:
-        return task.before_test and bool(proc.threads)
-    return any(_PLUGIN in f.filename for f in thread.frames[:3])
+    if thread is not None and any(_PLUGIN in f.filename for f in thread.frames[:3]):
+        return True
+    if not task.before_test or task.call == "running" or task.state == "R":
+        return False
+    return _is_pytest(proc) or (thread is None and bool(proc.threads))
 
 
 #: Libraries that wait with a timeout of their own choosing, only to check for errors, and
@@ -897,7 +908,29 @@ def _doing(proc: ProcessReport) -> str:
         return f"sleeps{_at(frame)}" + (f" in {name}" if name and "sleep" not in name else "")
     if name:
         return f"waits in {name}{_at(frame)}"
+    call = _call_phrase(task)
+    if call:
+        return f"{call}{_at(frame)}"
     return f"waits in {proc.stuck_at}" if proc.stuck_at else "waits"
+
+
+_WRITES = ("write", "writev", "sendto", "sendmsg")
+_READS = ("read", "readv", "recvfrom", "recvmsg")
+
+
+def _call_phrase(task: TaskWait | None) -> str:
+    """The blocked system call in words, when the Python frames name no primitive."""
+    if task is None or not task.obj:
+        return ""
+    if task.call in _WRITES:
+        return f"is blocked writing to {task.obj} (the pipe or socket is full)"
+    if task.call in _READS:
+        return f"is blocked reading {task.obj}"
+    if task.call in ("flock", "fcntl"):
+        return f"waits for a {task.obj}"
+    if task.call in ("wait4", "waitid"):
+        return task.obj
+    return ""
 
 
 def _edges_to(procs: list[ProcessReport], target: int) -> list[tuple[ProcessReport, WaitEdge]]:
@@ -1116,7 +1149,10 @@ def _hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint
     hints = []
     for group in _components(knot):
         listed = [by_pid[p] for p in group if not by_pid[p].role.startswith(HELPER_ROLES)]
-        if not listed or explained & {p.pid for p in listed if not p.role.startswith("pytest")}:
+        pids = {p.pid for p in listed}
+        if not listed or explained & {p for p in pids if not _is_pytest(by_pid[p])}:
+            continue
+        if pids <= explained:
             continue
         alone = [p for p in listed if knot[p.pid] <= {p.pid}]
         based = []
@@ -1305,6 +1341,13 @@ _AFTER_GRAPH: tuple[Callable[[list[ProcessReport]], list[Hint]], ...] = (_hint_s
 _PID = re.compile(r"\(pid (\d+)\)")
 
 
+def _said(pids: set[int], pytest: set[int], explained: set[int]) -> bool:
+    """Whether earlier hints explained these processes (the pytest process, which waits in most
+    stories, counts only for a hint about it alone)."""
+    others = pids - pytest
+    return others <= explained if others else pids <= explained
+
+
 def _rule_name(rule: Callable[..., list[Hint]]) -> str:
     return rule.__name__.removeprefix("_hint_")
 
@@ -1320,7 +1363,7 @@ def hints(processes: list[ProcessReport]) -> list[Hint]:
             hint.rule = hint.rule or _rule_name(rule)
             if not hint.pids:
                 hint.pids = sorted({int(m) for b in hint.based_on for m in _PID.findall(b)})
-            if hint.rule in ("stopped", "dead") or not set(hint.pids) - pytest <= explained:
+            if hint.rule in ("stopped", "dead") or not _said(set(hint.pids), pytest, explained):
                 found.append(hint)
                 explained.update(hint.pids)
     found += _hint_deadlock(processes, explained)

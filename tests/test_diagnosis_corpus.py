@@ -100,7 +100,7 @@ LABELS: dict[str, Label] = {
         "stopped", "is stopped", "Popen.wait()", role="Python child"
     ),
     "test_sharing_child_died_before_sending": _label(
-        "dead pipe", "exited with code 3", role="exited child"
+        "dead pipe nobody", "exited with code 3", role="exited child"
     ),
     "test_sharing_two_children_take_two_file_locks_in_opposite_order": _label(
         "deadlock", "fcntl.flock", role="multiprocessing.Process(target=_lock_both)"
@@ -112,6 +112,15 @@ LABELS: dict[str, Label] = {
         "sleeper", "Popen.communicate()", role="Python child"
     ),
     "test_sharing_the_test_itself_sleeps": _label(""),  # nothing to explain: no hint may fire
+    "test_sharing_popen_wait_with_a_full_stdout_pipe": _label(
+        "deadlock", "Popen.wait()", "blocked writing to", role="Python child"
+    ),
+    "test_sharing_join_a_child_blocked_on_a_full_bounded_queue": _label(
+        "deadlock", "multiprocessing Queue.put()", "Process.join()", role="target=_put_two"
+    ),
+    "test_sharing_barrier_for_more_parties_than_processes": _label(
+        "deadlock", "Barrier.wait()", role="target=_meet"
+    ),
     # distributed: gloo ranks
     "test_distributed_ddp_uneven_inputs": _label(
         "collectives", "rank 1/2 in barrier", "Flight recorder", "from DDP's forward", role="rank"
@@ -127,6 +136,9 @@ LABELS: dict[str, Label] = {
     ),
     "test_distributed_file_lock_cycle": _label(
         "collectives", "fcntl.flock", "a cycle", role="rank 0/2"
+    ),
+    "test_distributed_both_ranks_receive": _label(
+        "collectives", "wait in recv and none sends", role="rank"
     ),
     # the dead rank is a zombie until its parent joins it, if nothing reaps it first: then
     # only the rendezvous that waits for it remains to tell
@@ -194,6 +206,11 @@ def test_every_rule_is_right_or_silent_on_the_corpus_of_real_hangs(
     print("\n".join(lines))
     print(f"{len(LABELS)} scenarios, {len(docs)} hang reports, wall {session.wall_s:.0f}s")
     assert len(LABELS) >= 30
+    # a stopped worker's facts are read before the capture continues it (and before the kill)
+    (stopped,) = [
+        p for p in docs["test_loading_worker_stopped"]["processes"] if p["state"].startswith("stop")
+    ]
+    assert stopped["ppid"] > 0 and stopped["rss_bytes"] > 0 and stopped["num_threads"] >= 1
     assert not wrong, "\n".join(wrong)
     explained = sum(
         1

@@ -119,3 +119,16 @@ def test_distributed_rank_died_before_init(tmp_path):
         rank.start()
     for rank in ranks:
         rank.join()  # rank 0 first: rank 1 stays a zombie meanwhile
+
+
+def _p2p(rank, store):
+    _join(rank, store)
+    tensor = torch.zeros(4)
+    if rank == 0:
+        dist.recv(tensor, src=1)
+    else:
+        dist.recv(tensor, src=0)  # both receive: nobody sends
+
+
+def test_distributed_both_ranks_receive(tmp_path):
+    tmp.start_processes(_p2p, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")

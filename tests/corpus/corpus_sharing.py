@@ -184,3 +184,35 @@ def test_sharing_popen_communicate_with_a_sleeping_child():
 
 def test_sharing_the_test_itself_sleeps():
     time.sleep(1000)
+
+
+def test_sharing_popen_wait_with_a_full_stdout_pipe():
+    code = "import sys; sys.stdout.write('x' * (1 << 20)); sys.stdout.flush()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    child.wait()  # before reading stdout: the child blocks writing into a full pipe
+
+
+def _put_two(queue):
+    queue.put(1)
+    queue.put(2)  # the queue holds one item: waits for a get() that never comes
+    queue.close()
+
+
+def test_sharing_join_a_child_blocked_on_a_full_bounded_queue():
+    queue = FORK.Queue(maxsize=1)
+    child = FORK.Process(target=_put_two, args=(queue,))
+    child.start()
+    child.join()
+
+
+def _meet(barrier):
+    barrier.wait()
+
+
+def test_sharing_barrier_for_more_parties_than_processes():
+    barrier = FORK.Barrier(3)
+    children = [FORK.Process(target=_meet, args=(barrier,)) for _ in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join()
