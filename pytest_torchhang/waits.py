@@ -745,8 +745,10 @@ def attach(
             continue
         report.tasks = member.tasks
         match_threads(report.pid, report.threads, report.tasks)
-        main = next((t.python_thread for t in report.tasks if t.tid == report.pid), "")
-        report.threads.sort(key=lambda t: t.ident != main)  # the main thread first
+        tids = {t.python_thread: t.tid for t in report.tasks if t.python_thread}
+        for thread in report.threads:
+            thread.tid = thread.tid or tids.get(thread.ident, 0)
+        report.threads.sort(key=lambda t: t.tid != report.pid)  # the main thread first
         if member.stopped and not report.state.startswith("stopped"):
             report.state = "stopped (SIGSTOP)"
     for member in evidence.members.values():
