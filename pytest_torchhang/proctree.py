@@ -132,13 +132,15 @@ def _child_pids(pid: int) -> list[int]:
 Births = frozenset[tuple[int, int]]
 
 
-def births(root_pid: int) -> Births:
+def births(root_pid: int, skip: Iterable[int] = ()) -> Births:
     """(pid, start ticks) of every descendant of ``root_pid`` now: what a test did not start.
 
     Cheap on the common path (a pytest process without children reads one small file per
-    thread), since it runs before every guarded test.
+    thread), since it runs before and after every guarded test. ``skip``: children left out
+    with their trees (the plugin's monitor, which starts nothing).
     """
-    return births_below(_child_pids(root_pid))
+    leave_out = set(skip)
+    return births_below(pid for pid in _child_pids(root_pid) if pid not in leave_out)
 
 
 def births_below(pids: Iterable[int]) -> Births:

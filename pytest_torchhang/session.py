@@ -108,6 +108,10 @@ class GuardSession:
             )
         return self.watchdog
 
+    def _monitor_pid(self) -> tuple[int, ...]:
+        pid = self.monitor.pid if self.monitor is not None else None
+        return (pid,) if pid is not None else ()
+
     def _take_error(self) -> BaseException | None:
         current = self.current
         return current.take_error() if current is not None else None
@@ -127,10 +131,10 @@ class GuardSession:
             timeout_s=timeout_s if timeout_s > 0 else stall_s,
             root_pid=os.getpid(),
             dump_dir=self.dump_dir,
-            exclude=self.own_pids(),
+            exclude=self.own_pids(start=False),  # started at activation; restarted on demand
             shm_since=time.time(),
             native=self.settings.native,
-            before=proctree.births(os.getpid()),
+            before=proctree.births(os.getpid(), self._monitor_pid()),
         )
         worker = xdist_worker(item.config)
         if worker:
@@ -189,9 +193,8 @@ class GuardSession:
             held.done.wait(PIPELINE_WAIT_S)
         before = held.target.before or frozenset()
         own = self.own_pids(start=False)
-        self.started_by_tests |= {
-            birth for birth in proctree.births(os.getpid()) - before if birth[0] not in own
-        }
+        now = proctree.births(os.getpid(), self._monitor_pid())
+        self.started_by_tests |= {birth for birth in now - before if birth[0] not in own}
 
     @contextlib.contextmanager
     def paused_deadline(self) -> Iterator[None]:
