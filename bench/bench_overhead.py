@@ -196,8 +196,13 @@ def main() -> None:
     options = args.parse_args()
     tests = options.tests or (200 if options.quick else 2000)
     repeats = options.repeats or (1 if options.quick else 7)
-    variants = [tuple(v.split("=", 1)) for v in options.variant]
-    configs = configurations(options.quick, variants)  # type: ignore[arg-type]
+    variants: list[tuple[str, str]] = []
+    for variant in options.variant:
+        name, _, path = variant.partition("=")
+        if not path:
+            args.error(f"--variant takes NAME=PATH, got {variant!r}")
+        variants.append((name, path))
+    configs = configurations(options.quick, variants)
     names = list(configs)
     samples: dict[str, dict[str, list[float]]] = {
         name: {"cpu": [], "inner": [], "collect": [], "wall": []} for name in names
