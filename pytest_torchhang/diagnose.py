@@ -774,15 +774,18 @@ def _main_task(proc: ProcessReport) -> TaskWait | None:
 
 
 def _ignored(proc: ProcessReport, task: TaskWait) -> bool:
-    """Threads that release nothing of the test's: the plugin's own (watchdog, monitor), and, in
-    the pytest process, threads that were there before the test began and are not running (an
-    earlier test's leftovers: they cannot know the pipes and locks this test created)."""
+    """Threads that release nothing of the test's: the plugin's own (watchdog, monitor), native
+    threads that were there before the test began, and, in the pytest process, Python threads
+    from before the test that are not running (an earlier test's leftovers: they cannot know the
+    pipes and locks this test created)."""
     thread = _task_thread(proc, task)
     if thread is not None and any(_PLUGIN in f.filename for f in thread.frames[:3]):
         return True
-    if not task.before_test or task.call == "running" or task.state == "R":
+    if not task.before_test:
         return False
-    return _is_pytest(proc) or (thread is None and bool(proc.threads))
+    if thread is None:  # a library's native thread (gloo, OpenMP) of an earlier test
+        return bool(proc.threads)
+    return _is_pytest(proc) and task.call != "running" and task.state != "R"
 
 
 #: Libraries that wait with a timeout of their own choosing, only to check for errors, and
@@ -1239,6 +1242,38 @@ def _is_pytest(proc: ProcessReport) -> bool:
     return proc.role.split(" ")[0] == "pytest"
 
 
+def _hint_outside(procs: list[ProcessReport]) -> list[Hint]:
+    """A read on a socket whose peer is no process of this test: a server, a service."""
+    hits, based, pids = [], [], []
+    for proc in procs:
+        task = _main_task(proc)
+        if (
+            task is None
+            or task.call not in _READS
+            or proc.role.startswith(("rank ", *HELPER_ROLES))
+        ):
+            continue
+        outside = [e for e in task.waits_for if e.pid == -1 and "socket" in e.via]
+        if not outside or any(e.pid > 0 for e in task.waits_for):
+            continue
+        name, frame = primitive(_task_thread(proc, task))
+        hits.append(f"{_who(proc)} in {name or task.call}{_at(frame)}")
+        based.append(f"{_who(proc)} blocked in {task.summary()}: {outside[0].via}")
+        pids.append(proc.pid)
+    if not hits:
+        return []
+    return [
+        Hint(
+            f"{len(hits)} process(es) wait for data on a socket whose other end is no process of "
+            f"this test (a server, a service, or a process started before the test): "
+            f"{'; '.join(hits)}. Check that the peer is up and answers, and give the call a timeout.",
+            based,
+            rule="outside",
+            pids=pids,
+        )
+    ]
+
+
 def _reads(proc: ProcessReport) -> list[tuple[TaskWait, Frame | None]]:
     out = []
     main = _main_task(proc)
@@ -1336,6 +1371,7 @@ _RULES: tuple[Callable[[list[ProcessReport]], list[Hint]], ...] = (
     _hint_openmp_after_fork,
     _hint_cuda_before_fork,
     _hint_sleeper,
+    _hint_outside,
 )
 _AFTER_GRAPH: tuple[Callable[[list[ProcessReport]], list[Hint]], ...] = (_hint_still_starting,)
 _PID = re.compile(r"\(pid (\d+)\)")

@@ -311,7 +311,11 @@ class _Reader:
                 return
             kind, peer_inode, where = peer
             owners = sorted({h for h, _ in self.holders(f"socket:[{peer_inode}]")})
-            if not owners:
+            if kind.startswith("listening"):
+                task.waits_for.append(
+                    WaitEdge(-1, 0, f"{kind} {target}{where}: a client to connect")
+                )
+            elif not owners:
                 task.waits_for.append(
                     WaitEdge(-1, 0, f"{kind} {target}{where}, whose peer is outside the tree")
                 )

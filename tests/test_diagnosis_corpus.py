@@ -118,6 +118,9 @@ LABELS: dict[str, Label] = {
     "test_sharing_join_a_child_blocked_on_a_full_bounded_queue": _label(
         "deadlock", "multiprocessing Queue.put()", "Process.join()", role="target=_put_two"
     ),
+    "test_sharing_a_service_that_never_answers": _label(
+        "outside", "no process of this test", "conn.recv(1)", role="pytest"
+    ),
     "test_sharing_barrier_for_more_parties_than_processes": _label(
         "deadlock", "Barrier.wait()", role="target=_meet"
     ),

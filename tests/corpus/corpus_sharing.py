@@ -1,5 +1,6 @@
 """Corpus: hangs in sharing data and resources between processes (no torch op in the children)."""
 
+import atexit
 import fcntl
 import multiprocessing as mp
 import os
@@ -216,3 +217,26 @@ def test_sharing_barrier_for_more_parties_than_processes():
         child.start()
     for child in children:
         child.join()
+
+
+# A service that accepts connections and never answers, started before any test (at import):
+# it is context, not part of the test's tree.
+SERVER = subprocess.Popen(
+    [
+        sys.executable,
+        "-c",
+        "import socket, sys, time; s = socket.create_server(('127.0.0.1', 0)); "
+        "print(s.getsockname()[1], flush=True); conns = []\n"
+        "while True: conns.append(s.accept())",
+    ],
+    stdout=subprocess.PIPE,
+)
+PORT = int(SERVER.stdout.readline())
+atexit.register(SERVER.kill)
+
+
+def test_sharing_a_service_that_never_answers():
+    import socket
+
+    with socket.create_connection(("127.0.0.1", PORT)) as conn:
+        conn.recv(1)  # no timeout
