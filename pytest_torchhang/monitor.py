@@ -4,7 +4,7 @@ The watchdog thread needs the GIL. If the test's main thread holds it in C code 
 is frozen), the monitor, told of each deadline through a pipe, captures every stack from outside
 (the pytest process answers the dump signal in C, without the GIL), prints the report to the
 terminal pytest started on, writes the JSON report, and kills the whole tree, pytest included.
-Run as ``python -m pytest_torchhang.monitor PYTEST_PID FD DUMP_DIR REPORT_DIR [--spare-root]``;
+Run as ``python -m pytest_torchhang.monitor PYTEST_PID FD DUMP_DIR REPORT_DIR BOARD [--spare-root]``;
 with ``--spare-root`` (pytest runs in a thread of a host program, such as an IDE) it reports and
 kills the test's processes but never the host. ``MonitorClient`` is the pytest side.
 """
@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 
 from ._hook import DUMP_DIR_ENV
 
@@ -27,10 +30,89 @@ from ._hook import DUMP_DIR_ENV
 GIL_GRACE_S = 3.0
 #: How long after the watchdog fired the test has to finish.
 HARD_GRACE_S = 20.0
+#: The monitor looks at the deadline board (and at its parent) at least this often.
+POLL_S = 0.5
+
+
+class DeadlineBoard:
+    """The current test's deadline, on a page the monitor reads: no system call per test.
+
+    The pytest process writes it (a seqlock: the sequence number is odd while it writes); the
+    monitor reads it whenever it wakes (at least twice a second) and retries a torn read. Only
+    the rare events (a deadline fired, the session's end) go through the pipe.
+    """
+
+    SIZE = 1 << 16
+    _HEAD = struct.Struct("<QQddQQQ")  # seq, generation, deadline, timeout, armed, id len, pairs
+    _ID_AT, _ID_MAX = 64, 1024
+    _PAIRS_AT = _ID_AT + _ID_MAX
+    _PAIR = struct.Struct("<QQ")
+    MAX_PAIRS = (SIZE - _PAIRS_AT) // _PAIR.size
+
+    def __init__(self, path: str, create: bool = False) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self.SIZE)
+            self._page = mmap.mmap(fd, self.SIZE, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.path = path
+        self._seq = 0
+        self._generation = 0
+
+    def arm(
+        self, deadline: float, timeout: float, before: Iterable[tuple[int, int]], test_id: str
+    ) -> None:
+        """A new deadline (a new test, a grace, a pause): the monitor forgets any earlier fire."""
+        name = test_id.encode("utf-8", "replace")[: self._ID_MAX]
+        pairs = list(before)[: self.MAX_PAIRS]
+        self._generation += 1
+        self._write(deadline, timeout, 1, name, pairs)
+
+    def disarm(self) -> None:
+        self._write(0.0, 0.0, 0, b"", [])
+
+    def _write(
+        self, deadline: float, timeout: float, armed: int, name: bytes, pairs: list[tuple[int, int]]
+    ) -> None:
+        page = self._page
+        self._seq += 1  # odd: a write is under way
+        struct.pack_into("<Q", page, 0, self._seq)
+        page[self._ID_AT : self._ID_AT + len(name)] = name
+        for index, pair in enumerate(pairs):
+            self._PAIR.pack_into(page, self._PAIRS_AT + index * self._PAIR.size, *pair)
+        self._seq += 1
+        self._HEAD.pack_into(
+            page, 0, self._seq, self._generation, deadline, timeout, armed, len(name), len(pairs)
+        )
+
+    def read(self) -> tuple[int, float, float, frozenset[tuple[int, int]], str] | None:
+        """(generation, deadline, timeout, before, test id) while armed, else None."""
+        for _ in range(1000):
+            seq, generation, deadline, timeout, armed, length, count = self._HEAD.unpack_from(
+                self._page, 0
+            )
+            if seq % 2:
+                time.sleep(0.0001)
+                continue
+            name = bytes(self._page[self._ID_AT : self._ID_AT + length])
+            pairs = frozenset(
+                self._PAIR.unpack_from(self._page, self._PAIRS_AT + i * self._PAIR.size)
+                for i in range(count)
+            )
+            if struct.unpack_from("<Q", self._page, 0)[0] != seq:
+                continue  # torn: written meanwhile
+            if not armed:
+                return None
+            return generation, deadline, timeout, pairs, name.decode("utf-8", "replace")
+        return None
 
 
 class MonitorClient:
-    """The pytest side of the monitor process: started on first use, told of deadlines by a pipe."""
+    """The pytest side of the monitor process: started on first use, told of deadlines by a
+    shared page (``DeadlineBoard``) and of rare events by a pipe."""
 
     def __init__(
         self, dump_dir: str, stderr_fd: int, report_dir: str | None, spare_root: bool = False
@@ -41,6 +123,7 @@ class MonitorClient:
         self._spare_root = spare_root
         self._proc: subprocess.Popen[bytes] | None = None
         self._write_fd: int | None = None
+        self.board = DeadlineBoard(os.path.join(dump_dir, f"monitor-{os.getpid()}.page"), True)
 
     @property
     def pid(self) -> int | None:
@@ -58,6 +141,7 @@ class MonitorClient:
                 str(read_fd),
                 self._dump_dir,
                 self._report_dir or "",
+                self.board.path,
                 *(["--spare-root"] if self._spare_root else []),
             ],
             pass_fds=(read_fd,),
@@ -109,11 +193,6 @@ class MonitorClient:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._proc.wait(timeout=2.0)
             self._proc = None
-
-
-def _parse_before(field: str) -> frozenset[tuple[int, int]]:
-    pairs = (word.split(":") for word in field.split(",") if ":" in word)
-    return frozenset((int(pid), int(ticks)) for pid, ticks in pairs)
 
 
 def _take_over(
@@ -185,20 +264,41 @@ def main(argv: list[str]) -> int:
     # Interrupts are pytest's to handle: the monitor exits when pytest is gone, not at Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pytest_pid, fd, dump_dir, report_dir = int(argv[0]), int(argv[1]), argv[2], argv[3]
-    spare_root = "--spare-root" in argv[4:]
-    armed: tuple[float, float, frozenset[tuple[int, int]], str] | None = None
-    fired_at: float | None = None
+    board = DeadlineBoard(argv[4])
+    spare_root = "--spare-root" in argv[5:]
+    fired: tuple[int, float] | None = None  # (generation, when) of the last FIRED
     pending = b""
     while True:
+        current = board.read()
+        if current is None or (fired is not None and fired[0] != current[0]):
+            fired = None  # disarmed, or a new deadline since: an earlier fire no longer counts
         due = None
-        if armed is not None:
-            due = fired_at + HARD_GRACE_S if fired_at is not None else armed[0] + GIL_GRACE_S
+        if current is not None:
+            due = fired[1] + HARD_GRACE_S if fired is not None else current[1] + GIL_GRACE_S
+        now = time.monotonic()
+        if current is not None and due is not None and now >= due:
+            deadline, timeout_s, before, test_id = current[1:]
+            _take_over(
+                pytest_pid,
+                dump_dir,
+                report_dir,
+                (deadline, timeout_s, before, test_id),
+                fired is not None,
+                spare_root,
+            )
+            if spare_root:  # the host goes on: so does the monitor, for later tests
+                board_generation = current[0]
+                while (again := board.read()) is not None and again[0] == board_generation:
+                    time.sleep(0.2)  # until the host moves on to another deadline
+                fired = None
+                continue
+            return 1
         # Forked children of pytest inherit the pipe's write end, so pytest's death need not close
-        # it: look at our parent at least once a second as well.
-        timeout = 1.0 if due is None else min(1.0, max(0.0, due - time.monotonic()))
+        # it: look at our parent at least twice a second as well (and at the board).
         if os.getppid() != pytest_pid:
             return 0
-        ready, _, _ = select.select([fd], [], [], timeout)
+        wait = POLL_S if due is None else min(POLL_S, max(0.0, due - now))
+        ready, _, _ = select.select([fd], [], [], wait)
         if ready:
             data = os.read(fd, 65536)
             if not data:
@@ -206,21 +306,10 @@ def main(argv: list[str]) -> int:
             pending += data
             *lines, pending = pending.split(b"\n")
             for raw in lines:
-                word, _, rest = raw.decode(errors="replace").partition(" ")
-                if word == "ARM":
-                    deadline, timeout_s, before, test_id = rest.split(" ", 3)
-                    armed = (float(deadline), float(timeout_s), _parse_before(before), test_id)
-                    fired_at = None
-                elif word == "FIRED":
-                    fired_at = time.monotonic()
-                elif word == "DISARM":
-                    armed, fired_at = None, None
-        elif armed is not None and due is not None and time.monotonic() >= due:
-            _take_over(pytest_pid, dump_dir, report_dir, armed, fired_at is not None, spare_root)
-            if spare_root:  # the host goes on: so does the monitor, for later tests
-                armed, fired_at = None, None
-                continue
-            return 1
+                if raw.strip() == b"FIRED":
+                    armed_now = board.read()
+                    if armed_now is not None:
+                        fired = (armed_now[0], time.monotonic())
 
 
 if __name__ == "__main__":

@@ -209,12 +209,6 @@ def _deadline(item: pytest.Item) -> TestDeadline | None:
     return item.stash.get(DEADLINE, None)
 
 
-def _forget_deadline(item: pytest.Item) -> None:
-    from .session import DEADLINE
-
-    del item.stash[DEADLINE]
-
-
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest-timeout may be disabled
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     """Take over pytest-timeout's ``--timeout`` / ``@pytest.mark.timeout`` deadline.
@@ -284,8 +278,11 @@ def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
 ) -> None:
     state = config.stash.get(_SESSION, None)
-    if state is None:
-        return
+    stats = terminalreporter.stats
+    hunter = _hunter(config)
+    failures = stats.get("failed", []) + stats.get("error", [])
+    if state is None or not (state.notes or state.leftovers or failures or hunter):
+        return  # nothing to say (and nothing more to import)
     from . import testreport
 
     write = terminalreporter.write_line
@@ -301,14 +298,12 @@ def pytest_terminal_summary(
             f"killed {len(state.leftovers)} process(es) at session end: tests started them and "
             "left them running (they would have blocked pytest's exit or outlived it)"
         )
-    hunter = _hunter(config)
     if hunter is not None and hunter.tests:
         terminalreporter.write_sep("=", "torch-hang hunt", bold=True)
         for line in hunter.summary_lines():
             write(line)
         hunter.write_json(state.settings.report_dir)
-    stats = terminalreporter.stats
-    hangs = [r for r in stats.get("failed", []) + stats.get("error", []) if testreport.is_hang(r)]
+    hangs = [r for r in failures if testreport.is_hang(r)]
     if not hangs:
         return
     terminalreporter.write_sep("=", "torch-hang summary", red=True, bold=True)
@@ -380,7 +375,14 @@ class _PerTestHooks:
     """The hooks that run for every test: registered only in sessions that can need them."""
 
     def __init__(self, state: GuardSession) -> None:
+        from . import exceptions, session
+
         self.state = state
+        # bound once: these hooks run for every test
+        self._key = session.DEADLINE
+        self._wait_s = session.PIPELINE_WAIT_S
+        self._hang_error = exceptions.HangError
+        self._make_renderable = exceptions.make_renderable
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_protocol(
@@ -392,6 +394,8 @@ class _PerTestHooks:
         )
         if item_settings.timeout > 0 or item_settings.stall > 0:
             state.arm(item, item_settings.timeout, item_settings.stall)
+        else:
+            state.forget_births()
         hunter = _hunter(item.config)
         if hunter is not None:
             hunter.begin_run()
@@ -400,10 +404,10 @@ class _PerTestHooks:
         finally:
             if hunter is not None:
                 hunter.end_run()
-            held = _deadline(item)
+            held = item.stash.get(self._key, None)
             if held is not None:
                 state.finish(held)
-                _forget_deadline(item)
+                del item.stash[self._key]
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(
@@ -419,37 +423,44 @@ class _PerTestHooks:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, object, object]:
-        return (yield from _phase(item, "setup"))
+        return (yield from self._phase(item, "setup"))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
-        return (yield from _phase(item, "call"))
+        return (yield from self._phase(item, "call"))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(
         self, item: pytest.Item, nextitem: pytest.Item | None
     ) -> Generator[None, object, object]:
-        return (yield from _phase(item, "teardown"))
+        return (yield from self._phase(item, "teardown"))
+
+    def _phase(self, item: pytest.Item, name: str) -> Generator[None, object, object]:
+        held = item.stash.get(self._key, None)
+        if held is None:
+            return (yield)
+        held.enter_phase(name)
+        try:
+            return (yield)
+        finally:
+            held.leave_phase()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        from .exceptions import HangError, make_renderable
-        from .session import PIPELINE_WAIT_S
-
-        held = _deadline(item)
+        held = item.stash.get(self._key, None)
         raised = call.excinfo.value if call.excinfo is not None else None
         # An interrupt may leave a traceback entry without a line number: pytest must be able
         # to render it (else: INTERNALERROR, and the session ends).
-        guarded = held is not None or isinstance(raised, HangError)
-        if raised is not None and guarded and make_renderable(raised):
+        guarded = held is not None or isinstance(raised, self._hang_error)
+        if raised is not None and guarded and self._make_renderable(raised):
             call.excinfo = pytest.ExceptionInfo.from_exception(raised)
         report = yield
-        fresh = held.take_reports(PIPELINE_WAIT_S) if held is not None and held.fired else []
+        fresh = held.take_reports(self._wait_s) if held is not None and held.fired else []
         if fresh:
             self._mark_hang(item, report, fresh[-1])
-        elif isinstance(raised, HangError) and raised.report is not None:
+        elif isinstance(raised, self._hang_error) and raised.report is not None:
             self._mark_hang(item, report, raised.report)  # from the fixture or an isolated test
         return report
 
@@ -471,7 +482,7 @@ class _PerTestHooks:
 
         names = pyfuncitem._fixtureinfo.argnames
         funcargs = {name: pyfuncitem.funcargs[name] for name in names}
-        held = _deadline(pyfuncitem)
+        held = pyfuncitem.stash.get(self._key, None)
         timeout = (
             max(held.deadline - time.monotonic() - fixtures.MARGIN_S, 0.1)
             if held is not None
@@ -480,14 +491,3 @@ class _PerTestHooks:
         runner = self.state.get_runner()
         fixtures.run_isolated(runner, pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout)
         return True
-
-
-def _phase(item: pytest.Item, name: str) -> Generator[None, object, object]:
-    held = _deadline(item)
-    if held is None:
-        return (yield)
-    held.enter_phase(name)
-    try:
-        return (yield)
-    finally:
-        held.leave_phase()

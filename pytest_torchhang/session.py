@@ -9,18 +9,24 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pytest
 
-from . import _progress, guard, processwide, proctree, runner, settings, testreport
-from .monitor import MonitorClient
-from .report import HangReport
-from .watchdog import TestDeadline, Watchdog
+from . import _progress, settings
+
+# The guard's own modules (psutil, the diagnosis, the runner) are imported when a test is first
+# guarded: a session without a timeout never pays for them.
+if TYPE_CHECKING:
+    from . import proctree, runner
+    from .monitor import MonitorClient
+    from .report import HangReport
+    from .watchdog import TestDeadline, Watchdog
 
 #: How long a test report waits for a capture in progress (capture + kill) to finish.
 PIPELINE_WAIT_S = 30.0
 
-DEADLINE = pytest.StashKey[TestDeadline]()
+DEADLINE = pytest.StashKey["TestDeadline"]()
 #: --torch-hang-hunt-stress: the start-up hook of every process of the tree makes races likelier.
 STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
 
@@ -69,10 +75,13 @@ class GuardSession:
     notes: list[str] = field(default_factory=list)  # the guard's own troubles, said once
     subprocess_runner: runner.Runner | None = None
     _board: _progress.Reader | None = None
+    _births_after: proctree.Births | None = None  # the last guarded test's closing snapshot
 
     def get_runner(self) -> runner.Runner:
         """The subprocess runner (and its zygote), created on first use."""
         if self.subprocess_runner is None:
+            from . import runner
+
             self.subprocess_runner = runner.Runner(self.paused_deadline)
             if self.dump_dir is not None:
                 self.subprocess_runner.use_dump_dir(self.dump_dir)
@@ -91,6 +100,10 @@ class GuardSession:
         """First guarded test: join the process-wide guard, start the watchdog and monitor."""
         if self.watchdog is not None:
             return self.watchdog
+        from . import processwide
+        from .monitor import MonitorClient
+        from .watchdog import Watchdog
+
         self.dump_dir = processwide.acquire(self._take_error)
         if self.subprocess_runner is not None:
             self.subprocess_runner.use_dump_dir(self.dump_dir)
@@ -107,6 +120,18 @@ class GuardSession:
                 "never returns keeps it blocked, and the host process is never killed"
             )
         return self.watchdog
+
+    def _take_births(self) -> proctree.Births:
+        """What runs before this test: the snapshot the previous guarded test ended with, when
+        nothing ran since (one walk of /proc per test instead of two), else a fresh one."""
+        from . import proctree
+
+        births, self._births_after = self._births_after, None
+        return births if births is not None else proctree.births(os.getpid(), self._monitor_pid())
+
+    def forget_births(self) -> None:
+        """An unguarded test ran: the last snapshot is stale."""
+        self._births_after = None
 
     def _monitor_pid(self) -> tuple[int, ...]:
         pid = self.monitor.pid if self.monitor is not None else None
@@ -126,6 +151,9 @@ class GuardSession:
             if held.tighten(deadline_at, timeout_s):
                 watchdog.arm(held)
             return held
+        from . import guard
+        from .watchdog import TestDeadline
+
         target = guard.GuardTarget(
             test_id=item.nodeid,
             timeout_s=timeout_s if timeout_s > 0 else stall_s,
@@ -134,7 +162,7 @@ class GuardSession:
             exclude=self.own_pids(start=False),  # started at activation; restarted on demand
             shm_since=time.time(),
             native=self.settings.native,
-            before=proctree.births(os.getpid(), self._monitor_pid()),
+            before=self._take_births(),
         )
         worker = xdist_worker(item.config)
         if worker:
@@ -152,6 +180,8 @@ class GuardSession:
     @contextlib.contextmanager
     def fixture_processes(self) -> Iterator[None]:
         """Count what starts meanwhile (a higher-scoped fixture's setup) as context."""
+        from . import proctree
+
         me = os.getpid()
         before = proctree.births(me)
         try:
@@ -192,9 +222,12 @@ class GuardSession:
         if held.fired:
             held.done.wait(PIPELINE_WAIT_S)
         before = held.target.before or frozenset()
+        from . import proctree
+
         own = self.own_pids(start=False)
         now = proctree.births(os.getpid(), self._monitor_pid())
         self.started_by_tests |= {birth for birth in now - before if birth[0] not in own}
+        self._births_after = now  # the next test's "before", if it follows at once
 
     @contextlib.contextmanager
     def paused_deadline(self) -> Iterator[None]:
@@ -218,12 +251,16 @@ class GuardSession:
         self.hang_files += 1
         worker = xdist_worker(self.config) or "main"
         tag = f"{worker}-{os.getpid()}-{self.hang_files}"
+        from . import testreport
+
         return testreport.write_json(self.settings.report_dir, hang, nodeid, tag)
 
     def kill_leftovers(self) -> None:
         """Kill what guarded tests started and left running; never what they did not start."""
         if self.watchdog is None or not self.started_by_tests:
             return
+        from . import proctree
+
         me = os.getpid()
         alive = proctree.births(me)
         seeds = alive & self.started_by_tests
@@ -244,6 +281,8 @@ class GuardSession:
             self.subprocess_runner.close()
         if self.watchdog is None:
             return
+        from . import processwide, proctree
+
         self.watchdog.stop()
         if self.monitor is not None:
             self.monitor.stop()

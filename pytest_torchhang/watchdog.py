@@ -223,15 +223,14 @@ class TestDeadline:
             self.target.timeout_s = min(self.target.timeout_s, timeout_s)
             return True
 
-    def monitor_line(self) -> str | None:
-        """What the monitor must be told of this deadline now, if anything."""
+    def monitor_state(self) -> tuple[float, float] | str | None:
+        """What the monitor must know of this deadline now: (deadline, timeout) while armed or
+        in its grace (inf while paused), ``"disarmed"``, or None (firing: no change)."""
         with self._lock:
-            if self.state in (State.ARMED, State.DELIVERED):  # inf while paused: "ARM inf ..."
-                target = self.target
-                before = ",".join(f"{pid}:{ticks}" for pid, ticks in target.before or ()) or "-"
-                return f"ARM {self.deadline:.6f} {target.timeout_s:.6f} {before} {target.test_id}"
+            if self.state in (State.ARMED, State.DELIVERED):
+                return self.deadline, self.target.timeout_s
             if self.state is State.DISARMED:
-                return "DISARM"
+                return "disarmed"
             return None
 
 
@@ -271,7 +270,8 @@ class Watchdog:
         self._cond = threading.Condition(threading.RLock())
         self._current: TestDeadline | None = None
         self._wake_at = float("inf")  # when the thread next wakes by itself
-        self._told: tuple[int, str | None] = (0, None)  # (id of deadline, last line sent)
+        # (id of the deadline, what the monitor was last told of it)
+        self._told: tuple[int, tuple[float, float] | str | None, int] = (0, None, 0)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="torch-hang watchdog", daemon=True)
         self._thread.start()
@@ -307,10 +307,16 @@ class Watchdog:
         self._thread.join(timeout=5.0)
 
     def _tell_monitor(self, deadline: TestDeadline) -> None:
-        line = deadline.monitor_line()
-        if line is not None and self._told != (id(deadline), line):
-            self._told = (id(deadline), line)
-            self._monitor.send(line)
+        state = deadline.monitor_state()
+        told = (id(deadline), state, len(deadline.target.before or ()))
+        if state is None or self._told == told:
+            return
+        self._told = told
+        if isinstance(state, str):
+            self._monitor.board.disarm()
+        else:
+            target = deadline.target
+            self._monitor.board.arm(*state, target.before or (), target.test_id)
 
     def _next(self) -> tuple[TestDeadline, Action] | None:
         with self._cond:
@@ -346,7 +352,7 @@ class Watchdog:
 
     def _fire(self, deadline: TestDeadline) -> None:
         self._monitor.send("FIRED")
-        self._told = (id(deadline), "FIRED")
+        self._told = (id(deadline), None, 0)
         target = deadline.target
         if self._monitor.pid is not None:  # a restarted monitor has a new pid: never kill it
             target.exclude.add(self._monitor.pid)
