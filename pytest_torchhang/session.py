@@ -220,7 +220,7 @@ class GuardSession:
             os.environ.pop(STRESS_ENV, None)
         self.disarm(held)
         if held.fired:
-            held.done.wait(PIPELINE_WAIT_S)
+            held.wait_for_capture(PIPELINE_WAIT_S)
         before = held.target.before or frozenset()
         from . import proctree
 

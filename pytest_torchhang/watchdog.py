@@ -80,7 +80,8 @@ class TestDeadline:
     attached: int = 0  # how many of ``reports`` a pytest report carries already
     interrupts: int = 0
     kills: int = 0
-    done: threading.Event = field(default_factory=threading.Event)  # no capture in progress
+    #: Set while no capture is in progress; made at the first fire (most tests never fire).
+    done: threading.Event | None = None
     #: Stall detection: fail after this long without progress on the board (0: off).
     stall_s: float = 0.0
     board: _progress.Reader | None = None
@@ -90,9 +91,6 @@ class TestDeadline:
     #: (seconds since the test began, beats per kind) every few seconds: the stall report's history
     samples: list[tuple[float, list[int]]] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
-
-    def __post_init__(self) -> None:
-        self.done.set()
 
     @property
     def in_main_thread(self) -> bool:
@@ -110,16 +108,14 @@ class TestDeadline:
                 stall_at = self._stall_at(now)
                 if now >= stall_at and stall_at < self.deadline:
                     self.stalled = True
-                    self.state = State.FIRING
-                    self.done.clear()
+                    self._firing()
                     return Action.FIRE, float("inf")
                 # look again at the stall time, or sooner to keep the history going
                 return None, min(self.deadline, stall_at, now + SAMPLE_EVERY_S)
             if now < self.deadline or self.state is State.DISARMED:
                 return None, self.deadline if self.state is not State.DISARMED else float("inf")
             if self.state in (State.ARMED, State.DELIVERED):
-                self.state = State.FIRING
-                self.done.clear()
+                self._firing()
                 return Action.FIRE, float("inf")
             if self.state is State.FIRED:
                 self.interrupts += 1
@@ -146,6 +142,18 @@ class TestDeadline:
             return min(self.deadline, self.stall_base + self.stall_s)
         return self.deadline
 
+    def _firing(self) -> None:
+        if self.done is None:
+            self.done = threading.Event()
+        self.done.clear()  # before the state says FIRING: whoever sees FIRING finds the event
+        self.state = State.FIRING
+
+    def wait_for_capture(self, wait_s: float) -> None:
+        """Until a capture in progress (capture and kill) is over, at most ``wait_s``."""
+        done = self.done
+        if done is not None:
+            done.wait(wait_s)
+
     def fire_done(self, report: HangReport, now: float) -> None:
         """The tree was captured and killed: from now on the test is interrupted until it raises."""
         with self._lock:
@@ -155,7 +163,8 @@ class TestDeadline:
                 self.state = State.FIRED
                 self.interrupts = 0
                 self.deadline = now  # interrupt at once
-            self.done.set()
+            if self.done is not None:
+                self.done.set()
 
     def take_error(self) -> HangError | None:
         """In the test's thread, at an interrupt: the HangError to raise there, if it is time."""
@@ -168,7 +177,7 @@ class TestDeadline:
 
     def take_reports(self, wait_s: float) -> list[HangReport]:
         """For a pytest report of this test: the hang reports no earlier report carries."""
-        self.done.wait(wait_s)  # a capture in progress finishes first (bounded)
+        self.wait_for_capture(wait_s)
         with self._lock:
             fresh = self.reports[self.attached :]
             self.attached = len(self.reports)
