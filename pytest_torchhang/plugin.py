@@ -111,7 +111,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini(settings.REPORT_DIR_INI, "Directory for one JSON report per hang", default="")
     parser.addini(
-        settings.NATIVE_INI, "Add native stacks through py-spy", type="bool", default=False
+        # a string checked by the plugin: pytest's own "bool" type fails without naming the key
+        settings.NATIVE_INI, "Add native stacks through py-spy (true/false)", default=""
     )
 
 

@@ -89,6 +89,21 @@ def _seconds(
     return seconds, source
 
 
+_TRUE = ("1", "true", "yes", "on", "y", "t")
+_FALSE = ("", "0", "false", "no", "off", "n", "f")
+
+
+def _ini_bool(config: pytest.Config, name: str) -> bool:
+    """A true/false ini key, read as pytest reads its own (but with an error that names it)."""
+    value = config.getini(name)
+    text = str(value).strip().lower() if not isinstance(value, bool) else str(value).lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise pytest.UsageError(f"ini option {name} must be true or false, got {value!r}")
+
+
 def _hunt_runs(config: pytest.Config) -> int:
     value = config.getoption("torch_hang_hunt")
     if value is None:
@@ -157,13 +172,7 @@ def session_settings(config: pytest.Config) -> SessionSettings:
             f"{dir_source} must be a directory (created if missing), got {given!r}{where}, "
             "which is a file"
         )
-    try:
-        native_ini = bool(config.getini(NATIVE_INI))
-    except ValueError:
-        raise pytest.UsageError(
-            f"ini option {NATIVE_INI} must be true or false, got {config.inicfg.get(NATIVE_INI)!r}"
-        ) from None
-    native = bool(config.getoption("torch_hang_native")) or native_ini
+    native = bool(config.getoption("torch_hang_native")) or _ini_bool(config, NATIVE_INI)
     return SessionSettings(timeout, source, report_dir, native, stall, hunt, hunt_all, hunt_stress)
 
 

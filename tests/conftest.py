@@ -53,6 +53,11 @@ NEEDS_TORCH = (
     "tests/test_devices.py::test_the_torch_build_is_read_without_importing_torch",
     "tests/test_bench.py::",
     "tests/test_stall.py::",
+    "tests/test_diagnosis_corpus.py::",
+    "tests/test_reports.py::",
+    "tests/test_session_safety.py::test_ctrl_c",
+    "tests/test_session_safety.py::test_a_tmpdir_with_a_space",
+    "tests/test_session_safety.py::test_a_runner_child_answers",
 )
 
 _HOGS = pytest.StashKey[list[subprocess.Popen[bytes]]]()
