@@ -115,6 +115,7 @@ class TestDeadline:
             if now < self.deadline or self.state is State.DISARMED:
                 return None, self.deadline if self.state is not State.DISARMED else float("inf")
             if self.state in (State.ARMED, State.DELIVERED):
+                self.stalled = False  # past a deadline (a grace, after a stall too): a hang
                 self._firing()
                 return Action.FIRE, float("inf")
             if self.state is State.FIRED:
