@@ -40,7 +40,9 @@ from .stacks import (
 
 #: How processes that the hung test did not start are shown: never signalled, never killed.
 CONTEXT_ROLE = "started before this test"
-CONTEXT_STATUS = "context only: it was running before this test began, so it is neither signalled nor killed"
+CONTEXT_STATUS = (
+    "context only: it was running before this test began, so it is neither signalled nor killed"
+)
 #: Environment variables read from each process (roles of ranks).
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
 

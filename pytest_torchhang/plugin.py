@@ -112,7 +112,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(settings.REPORT_DIR_INI, "Directory for one JSON report per hang", default="")
     parser.addini(
         # a string checked by the plugin: pytest's own "bool" type fails without naming the key
-        settings.NATIVE_INI, "Add native stacks through py-spy (true/false)", default=""
+        settings.NATIVE_INI,
+        "Add native stacks through py-spy (true/false)",
+        default="",
     )
 
 

@@ -124,7 +124,10 @@ def _child_pids(pid: int) -> list[int]:
         return []
     out: list[int] = []
     for tid in tasks:
-        with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/task/{tid}/children") as f:
+        with (
+            contextlib.suppress(OSError, ValueError),
+            open(f"/proc/{pid}/task/{tid}/children") as f,
+        ):
             out.extend(int(word) for word in f.read().split())
     return out
 

@@ -162,7 +162,9 @@ def test_a_bad_run_count_is_a_usage_error(pytester: pytest.Pytester, value: str)
     pytester.makepyfile(test_x="def test_x():\n    pass\n")
     result = pytester.runpytest_subprocess(f"--torch-hang-hunt={value}", "--torch-hang-timeout=5")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"*--torch-hang-hunt must be a whole number of runs >= 1*{value}*"])
+    result.stderr.fnmatch_lines(
+        [f"*--torch-hang-hunt must be a whole number of runs >= 1*{value}*"]
+    )
 
 
 STRESSED = """

@@ -18,6 +18,7 @@ def assert_stall(session: Session, test_name: str, *expected: str) -> str:
     assert not missing, f"missing {missing} in:\n{report[:6000]}"
     return headline
 
+
 pytestmark = pytest.mark.needs_torch
 
 TRAINING = """

@@ -56,7 +56,10 @@ def test_an_invalid_environment_value_names_the_variable(
             "timeout=-1",
             "*torch_hang on test_bad.py::test_one: timeout must be a finite number*got -1",
         ),
-        ("bogus=1", "*torch_hang on test_bad.py::test_one: takes (timeout=None, stall=None, isolate=False)*"),
+        (
+            "bogus=1",
+            "*torch_hang on test_bad.py::test_one: takes (timeout=None, stall=None, isolate=False)*",
+        ),
         ('isolate="yes"', "*isolate must be True or False, got 'yes'"),
     ],
 )
