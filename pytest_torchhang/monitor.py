@@ -186,12 +186,9 @@ class MonitorClient:
         """End the monitor: closing the pipe makes it exit; bounded wait, then kill."""
         self._close_pipe()
         if self._proc is not None:
-            try:
-                self._proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._proc.wait(timeout=2.0)
+            from .proctree import end_helper
+
+            end_helper(self._proc, 2.0)
             self._proc = None
 
 

@@ -56,16 +56,6 @@ def release(receiver: Receiver) -> None:
             _tear_down()
 
 
-def users() -> int:
-    """How many sessions in this process use the guard now."""
-    return len(_Shared.users)
-
-
-def interrupt_available() -> bool:
-    """Whether the signal that interrupts a blocked main thread is handled here."""
-    return _Shared.handler_installed
-
-
 def _set_up() -> None:
     _Shared.dump_dir = tempfile.mkdtemp(prefix="torchhang-")
     _hook.install(_Shared.dump_dir)

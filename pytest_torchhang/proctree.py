@@ -9,6 +9,7 @@ import gc
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -42,6 +43,16 @@ def _prctl(option: int, arg: int) -> bool:
         return int(_libc().prctl(option, arg, 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
+
+
+def end_helper(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for a helper told to exit (its pipe closed), then kill it; bounded."""
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
 
 
 def become_subreaper() -> bool:

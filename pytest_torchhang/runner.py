@@ -30,7 +30,7 @@ from . import _hook, guard
 from ._hook import DUMP_DIR_ENV
 from .child import Outcome
 from .exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
-from .proctree import ProcessId, same_process
+from .proctree import ProcessId, end_helper, same_process
 
 START_METHODS = ("zygote", "spawn", "forkserver")
 #: How long the zygote may take to import torch and say READY.
@@ -130,12 +130,7 @@ class Zygote:
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=3.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=3.0)
+        end_helper(self.proc, 3.0)
         with contextlib.suppress(OSError):
             if self.proc.stdout is not None:
                 self.proc.stdout.close()

@@ -296,12 +296,6 @@ class Watchdog:
                 self._cond.notify()
         self._tell_monitor(deadline)
 
-    def poke(self) -> None:
-        """Look at the current deadline now (its state changed in another thread)."""
-        with self._cond:
-            self._wake_at = 0.0
-            self._cond.notify()
-
     def disarm(self, deadline: TestDeadline) -> None:
         deadline.disarm()
         with self._cond:
