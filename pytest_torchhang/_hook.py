@@ -38,6 +38,33 @@ def collectives_path(dump_dir: str, pid: int) -> str:
     return os.path.join(dump_dir, f"{pid}.collectives.json")
 
 
+def notes_path(dump_dir: str, pid: int) -> str:
+    """The file where process ``pid`` appends what the plugin's own code failed to do there."""
+    return os.path.join(dump_dir, f"{pid}.notes")
+
+
+def child_note(text: str) -> None:
+    """Record a failure of the plugin's own child-side code (a patch, a listener) for the report.
+
+    Nothing the plugin does in a child may fail silently: the capture reads these notes into the
+    hang report. Never raises (no dump directory: nothing is written).
+    """
+    dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
+    if not dump_dir:
+        return
+    line = " ".join(text.split())[:1000] + "\n"
+    try:
+        fd = os.open(notes_path(dump_dir, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError:
+        return
+    try:  # noqa: SIM105 - no contextlib: this module must stay cheap to import
+        os.write(fd, line.encode("utf-8", "replace"))  # one write: lines never interleave
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def set_role(role: str) -> None:
     """Record this process's role for hang reports (no-op when no dump directory is set)."""
     dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
