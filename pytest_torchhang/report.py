@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .stacks import ThreadStack
+from .stacks import Frame, ThreadStack
 
 #: Version of the JSON document written per hang; bump on incompatible changes.
 SCHEMA_VERSION = 1
@@ -183,6 +183,40 @@ class HangReport:
         doc["schema"] = "pytest-torchhang/hang-report"
         doc["schema_version"] = SCHEMA_VERSION
         return doc
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> HangReport:
+        """Rebuild a report from the document :meth:`to_json` wrote (a saved ``REPORT.json``).
+
+        Raises ``ValueError`` for a document of another schema or a newer version.
+        """
+        schema = doc.get("schema")
+        if schema != "pytest-torchhang/hang-report":
+            raise ValueError(f"not a pytest-torchhang hang report: schema is {schema!r}")
+        version = doc.get("schema_version")
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise ValueError(
+                f"hang report schema_version {version!r} is newer than this pytest-torchhang "
+                f"reads ({SCHEMA_VERSION}): upgrade pytest-torchhang to read it"
+            )
+        fields = {k: v for k, v in doc.items() if k not in ("schema", "schema_version")}
+        fields["hints"] = [Hint(**h) for h in doc.get("hints", [])]
+        fields["processes"] = [_process_from_json(p) for p in doc.get("processes", [])]
+        return cls(**fields)
+
+
+def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
+    fields = dict(doc)
+    fields["threads"] = [
+        ThreadStack(**{**t, "frames": [Frame(**f) for f in t.get("frames", [])]})
+        for t in doc.get("threads", [])
+    ]
+    fields["tasks"] = [
+        TaskWait(**{**t, "waits_for": [WaitEdge(**e) for e in t.get("waits_for", [])]})
+        for t in doc.get("tasks", [])
+    ]
+    fields["collectives"] = [Collective(**c) for c in doc.get("collectives", [])]
+    return ProcessReport(**fields)
 
 
 def _cap(block: str, limit: int) -> str:
