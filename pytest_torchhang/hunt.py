@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import platform
 import random
 import re
 import sys
@@ -51,10 +52,28 @@ def role_kind(role: str) -> str:
     return " ".join(words) or role
 
 
+#: What differs between machines and runs of one hang: addresses, absolute paths, pids.
+_UNSTABLE = [
+    (re.compile(r"0x[0-9a-fA-F]+"), "0x?"),
+    (re.compile(r"(?<![\w.])/(?:[^/\s:()]+/)+([^/\s:()]+)"), r"\1"),
+    (re.compile(r"\bpid \d+"), "pid ?"),
+]
+
+
+def _stable(text: str) -> str:
+    for pattern, replacement in _UNSTABLE:
+        text = pattern.sub(replacement, text)
+    return text
+
+
 def signature(hang: HangReport) -> str:
-    """The set of (role, stuck frame) pairs of the hang's processes, as one stable string."""
+    """The set of (role, stuck frame) pairs of the hang's processes, as one stable string.
+
+    Equal for the same hang on any machine: no pid, address or absolute path stays in it, so
+    ``merge-hunts`` can count one hang across the jobs of a CI matrix.
+    """
     pairs = {
-        f"{role_kind(p.role)} in {p.stuck_at}"
+        _stable(f"{role_kind(p.role)} in {p.stuck_at}")
         for p in hang.processes
         if p.stuck_at and not p.role.startswith(_NOT_STUCK) and p.state not in ("zombie", "gone")
     }
@@ -70,6 +89,20 @@ def wilson(hits: int, runs: int, z: float = 1.96) -> tuple[float, float]:
     spread = z * math.sqrt(p * (1 - p) / runs + z * z / (4 * runs * runs))
     scale = 1 + z * z / runs
     return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
+
+
+def hunt_line(test_id: str, hangs: int, runs: int, distinct: int) -> str:
+    """``test_x: hung 3 of 200 runs (1.5%, 95% CI 0.5%-4.3%), 2 distinct signatures``.
+
+    The one wording of a hunt's result: the hunt section and ``merge-hunts`` both say it so.
+    """
+    low, high = wilson(hangs, runs)
+    rate = 100 * hangs / runs if runs else 0.0
+    return (
+        f"{test_id}: hung {hangs} of {runs} runs ({rate:.1f}%, 95% CI "
+        f"{100 * low:.1f}%-{100 * high:.1f}%), {distinct} distinct signature"
+        f"{'s' if distinct != 1 else ''}"
+    )
 
 
 _PARAMS = re.compile(r"^(.*)\[(.*)\]$")
@@ -125,14 +158,7 @@ class Hunted:
 
     def line(self) -> str:
         """``test_x: hung 3 of 200 runs (1.5%, 95% CI 0.5%-4.3%), 2 distinct signatures``."""
-        low, high = wilson(self.hangs, self.runs)
-        rate = 100 * self.hangs / self.runs if self.runs else 0.0
-        distinct = len(self.signatures)
-        text = (
-            f"{self.test_id}: hung {self.hangs} of {self.runs} runs ({rate:.1f}%, 95% CI "
-            f"{100 * low:.1f}%-{100 * high:.1f}%), {distinct} distinct signature"
-            f"{'s' if distinct != 1 else ''}"
-        )
+        text = hunt_line(self.test_id, self.hangs, self.runs, len(self.signatures))
         if self.skipped:
             text += f"; {self.skipped} more run(s) not needed after its first hang"
         return text
@@ -149,6 +175,7 @@ class Hunted:
             "rate": self.hangs / self.runs if self.runs else 0.0,
             "ci95": [low, high],
             "seconds": self.seconds,
+            "host": platform.node(),
             "signatures": [
                 {
                     "signature": s.text,
@@ -156,6 +183,9 @@ class Hunted:
                     "runs": s.runs,
                     "headline": s.headline,
                     "report": s.json_path or None,
+                    # the report's name in the same directory: the upload of that directory
+                    # still finds it on another machine (merge-hunts)
+                    "report_file": os.path.basename(s.json_path) if s.json_path else None,
                 }
                 for s in self.signatures.values()
             ],
