@@ -123,9 +123,14 @@ def _pid_edges(hang: HangReport) -> dict[int, dict[tuple[int, str], bool]]:
     out: dict[int, dict[tuple[int, str], bool]] = {p.pid: {} for p in hang.processes}
     for proc in hang.processes:
         for task in proc.tasks:
+            if task.before_test:
+                continue  # threads from before the test release nothing of it
+            helper_poll = task.timed and task.tid != proc.pid  # gloo's event loop, ...
             for edge in task.waits_for:
-                if edge.pid == proc.pid:
-                    continue  # a wait on its own threads (or its own copy of a pipe's end)
+                if edge.pid == proc.pid or (helper_poll and edge.pid <= 0):
+                    # a wait on its own threads (or its own copy of a pipe's end); a helper
+                    # thread's listening socket
+                    continue
                 target = edge.pid if edge.pid in known or edge.pid <= 0 else -1
                 key = (target, wait_object(task, edge))
                 out[proc.pid][key] = out[proc.pid].get(key, True) and task.timed
@@ -143,15 +148,19 @@ def _collective_waits(procs: list[ProcessReport]) -> list[tuple[int, int, str]]:
             continue
         for other in procs:
             started = [c.seq for c in other.collectives if c.group == pending.group]
-            if other.pid != proc.pid and started and max(started) < pending.seq:
+            rank = other.role.startswith("rank ") or bool(other.collectives)
+            if other.pid != proc.pid and rank and max(started, default=0) < pending.seq:
                 label = f"collective {pending.name} #{pending.seq}"
                 edges.append((proc.pid, other.pid, label))
     return edges
 
 
 def _cycles(out: dict[int, dict[tuple[int, str], bool]]) -> set[int]:
-    """The pids on a cycle of waits (strongly connected components of two or more)."""
-    graph = {pid: {t for t, _ in edges if t > 0 and t in out} for pid, edges in out.items()}
+    """The pids on a cycle of waits that never time out (strongly connected, two or more)."""
+    graph = {
+        pid: {t for (t, _), timed in edges.items() if t > 0 and t in out and not timed}
+        for pid, edges in out.items()
+    }
     index: dict[int, int] = {}
     low: dict[int, int] = {}
     stack: list[int] = []
@@ -236,8 +245,10 @@ def build_graph(hang: HangReport) -> WaitGraph:
         found = []
         if proc.pid in cycle:
             found.append("inCycle")
-        elif proc.pid in waited_on and not any(t != 0 for t, _ in out[proc.pid]):
-            found.append("chainEnd")  # waited for, and waits for no process itself
+        elif proc.pid in waited_on and all(
+            t == 0 or timed for (t, _), timed in out[proc.pid].items()
+        ):
+            found.append("chainEnd")  # waited for, and waits for no process itself for good
         if proc.exit_status:
             found.append("gone")
         elif proc.busy:
