@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from . import diagnose, waits
-from ._hook import role_path
+from . import diagnose, procfs, waits
+from ._hook import notes_path, role_path
 from .native import native_stacks, tool_available
 from .proctree import (
     Births,
@@ -66,6 +66,9 @@ class GuardTarget:
     #: When set, the tree is these processes and their descendants (runner children), not the
     #: root's descendants; the root is then only the process the report is written for.
     roots: list[int] | None = None
+    #: Trees captured and killed with the root's (fixture calls' children in flight: the zygote
+    #: that forked them is the plugin's, so they are not the root's descendants).
+    extra_roots: list[int] = field(default_factory=list)
     native: bool = False  # add native stacks (pystack / py-spy) where installed and permitted
     #: The root's descendants when the test began: they, and what they start, are reported for
     #: context and never signalled (a session fixture's server is not the hung test's).
@@ -80,44 +83,60 @@ def _cpu(proc: psutil.Process) -> float:
         return 0.0
 
 
-def _environ(proc: psutil.Process) -> dict[str, str]:
-    try:
-        env = proc.environ()
-    except (psutil.Error, OSError):
-        return {}
+def _environ(reader: procfs.ProcReader, pid: int) -> dict[str, str]:
+    env = reader.environ(pid) or {}
     return {k: env[k] for k in _ENV_KEYS if k in env}
 
 
-def _helper(proc: psutil.Process, cmdline: list[str], name: str) -> str | None:
+def _helper(reader: procfs.ProcReader, ppid: int, cmdline: list[str], name: str) -> str | None:
     kind = helper_kind(cmdline, name)
     if kind is None:
         return None
-    with contextlib.suppress(psutil.Error):
-        if proc.parent() is not None and proc.parent().cmdline() == cmdline:  # type: ignore[union-attr]
-            return None  # forked by the helper (a forkserver's child), not the helper itself
+    if ppid and reader.cmdline(ppid) == cmdline:
+        return None  # forked by the helper (a forkserver's child), not the helper itself
     return kind
 
 
-def _facts(proc: psutil.Process, now: float, dump: Dump, cpu_before: float) -> ProcessReport:
+def _name(comm: str, cmdline: list[str]) -> str:
+    """The process name; the kernel cuts it at 15 characters, the command line does not."""
+    if len(comm) >= 15 and cmdline and os.path.basename(cmdline[0]).startswith(comm):
+        return os.path.basename(cmdline[0])
+    return comm
+
+
+def _facts(
+    proc: psutil.Process,
+    now: float,
+    dump: Dump,
+    cpu_before: float,
+    reader: procfs.ProcReader,
+) -> ProcessReport:
+    # No psutil call here reads the process's memory (cmdline, environ, name of a long command):
+    # those go through the bounded reader.
+    unread = len(reader.unread)
+    cmdline = reader.cmdline(proc.pid)
+    stat = procfs.stat(proc.pid)
     with proc.oneshot():
         try:
-            cmdline = proc.cmdline()
-            name = proc.name()
             state: str = proc.status()
             rss = proc.memory_info().rss
             threads = proc.num_threads()
             age = now - proc.create_time()
             ppid = proc.ppid()
         except psutil.Error:
-            cmdline, name, state, rss, threads, age, ppid = [], "?", "gone", 0, 0, 0.0, 0
+            state, rss, threads, age, ppid = "gone", 0, 0, 0.0, 0
+    name = _name(stat.comm, cmdline or []) if stat is not None else "?"
+    shown = " ".join(cmdline or []) or name
+    if cmdline is None and len(reader.unread) > unread:
+        shown = f"{name} (command line {reader.unread[-1].reason})"
     cpu = _cpu(proc)
     if dump.was_stopped:
         state = "stopped (SIGSTOP)"
     return ProcessReport(
         pid=proc.pid,
         ppid=ppid,
-        role=_helper(proc, cmdline, name) or "",
-        cmdline=(" ".join(cmdline) or name).replace("\n", "\\n"),
+        role=_helper(reader, ppid, cmdline or [], name) or "",
+        cmdline=shown.replace("\n", "\\n"),
         state=state,
         cpu_s=cpu,
         cpu_delta_s=max(cpu - cpu_before, 0.0),
@@ -153,7 +172,8 @@ def _tree(target: GuardTarget) -> tuple[list[psutil.Process], list[psutil.Proces
     """(owned, context): the target's processes, and those that were there before it began."""
     procs: list[psutil.Process] = []
     context: list[psutil.Process] = []
-    for root in target.roots if target.roots is not None else [target.root_pid]:
+    roots = target.roots if target.roots is not None else [target.root_pid]
+    for root in [*roots, *target.extra_roots]:
         with contextlib.suppress(psutil.Error):
             procs.append(psutil.Process(root))
             owned, older = split_descendants(root, target.exclude, target.before)
@@ -180,6 +200,10 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     """Snapshot the tree and take every process's stacks; kills nothing."""
     t0 = time.monotonic()
     elapsed = t0 - target.started  # when the hang was declared, whatever the capture costs
+    # Every read of /proc that can block (a process in state D) is bounded, and all of them by
+    # the capture's budget: what is not read in time becomes a note.
+    reader = procfs.ProcReader(deadline=t0 + target.capture_budget_s)
+    skip_threads = (skip_threads or set()) | procfs.reader_idents()
     procs, context = _tree(target)
     cpu_before = {p.pid: _cpu(p) for p in procs}
     # The kernel's evidence and every process's facts first: asking for stacks signals and
@@ -187,12 +211,14 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     own = _capture_tids(skip_threads)
     if target.root_in_process and target.roots is None:
         cpu_before[target.root_pid] = waits.cpu_s(target.root_pid, own)  # not the capture's own
-    evidence = waits.read([p.pid for p in procs], own, newer_than_s=t0 - target.started)
+    evidence = waits.read(
+        [p.pid for p in procs], own, newer_than_s=t0 - target.started, proc=reader
+    )
     own_stacks = None
     if target.root_in_process and target.roots is None:
         own_stacks = in_process_threads(skip_threads)  # as the kernel saw them, before any signal
     now = time.time()
-    facts = {p.pid: _facts(p, now, Dump(""), cpu_before.get(p.pid, 0.0)) for p in procs}
+    facts = {p.pid: _facts(p, now, Dump(""), cpu_before.get(p.pid, 0.0), reader) for p in procs}
     idents: list[ProcessId] = []
     for proc in procs:
         with contextlib.suppress(psutil.Error):
@@ -220,7 +246,7 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         )
         for p in procs
     ]
-    env = {p.pid: _environ(p) for p in procs if p.pid != target.root_pid}
+    env = {p.pid: _environ(reader, p.pid) for p in procs if p.pid != target.root_pid}
     # Ranks' flight recorders after the CPU sample: answering costs them a little CPU.
     asked = waits.request_collectives([r.pid for r in reports], target.dump_dir)
     fr_wait = max(0.3, target.capture_budget_s - (time.monotonic() - t0))
@@ -231,7 +257,7 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     for report_ in reports:
         report_.role = stated.get(report_.pid, report_.role)
     diagnose.label_roles(reports, target.root_pid, env, target.root_role)
-    notes: list[str] = wait_notes
+    notes: list[str] = wait_notes + _dump_notes(dumps)
     if target.native:
         notes += _add_native(target, reports)
     else:
@@ -251,16 +277,65 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         processes=reports,
         notes=notes,
     )
-    report.processes += _context_facts(context, now)
+    report.processes += _context_facts(context, now, reader)
+    report.notes += reader.notes()
+    began = time.time() - (time.monotonic() - target.started)
+    report.notes += child_notes(target.dump_dir, report.processes, began)
     report.capture_s = time.monotonic() - t0
     return report
 
 
-def _context_facts(context: list[psutil.Process], now: float) -> list[ProcessReport]:
+def _dump_notes(dumps: dict[int, Dump]) -> list[str]:
+    return [
+        f"pid {pid}: its stack dump may be truncated (its text never reached the outermost "
+        "frame of its last thread within the capture's budget)"
+        for pid, dump in dumps.items()
+        if not dump.complete
+    ]
+
+
+def child_notes(dump_dir: str | None, processes: list[ProcessReport], since: float) -> list[str]:
+    """What the plugin's own code failed to do in any process of the tree (``_hook.child_note``),
+    since ``since`` (wall time), each line prefixed with its process; processes already gone
+    are found by their files in ``dump_dir``."""
+    if dump_dir is None:
+        return []
+    try:
+        names = os.listdir(dump_dir)
+    except OSError:
+        return []
+    roles = {p.pid: p.role for p in processes}
+    out: list[str] = []
+    for name in sorted(names):
+        stem, _, ext = name.partition(".")
+        if ext != "notes" or not stem.isdigit():
+            continue
+        pid = int(stem)
+        try:
+            with open(notes_path(dump_dir, pid), "rb") as notes:
+                raw = notes.read(1 << 16).decode(errors="replace")
+        except OSError:
+            continue
+        who = f"pid {pid} ({roles[pid]})" if roles.get(pid) else f"pid {pid}"
+        for line in raw.splitlines():
+            stamp, _, text = line.partition(" ")
+            try:
+                if float(stamp) < since:
+                    continue  # an earlier test's, or an earlier process with this pid
+            except ValueError:
+                text = line
+            if text.strip():
+                out.append(f"{who}: {text.strip()}")
+    return list(dict.fromkeys(out))
+
+
+def _context_facts(
+    context: list[psutil.Process], now: float, reader: procfs.ProcReader
+) -> list[ProcessReport]:
     """Facts (never stacks: no signal is sent) of processes that were there before the test."""
     out = []
     for proc in context:
-        fact = _facts(proc, now, Dump(CONTEXT_STATUS), _cpu(proc))
+        fact = _facts(proc, now, Dump(CONTEXT_STATUS), _cpu(proc), reader)
         fact.role = f"{CONTEXT_ROLE}{f' ({fact.role})' if fact.role else ''}"
         out.append(fact)
     return out
@@ -268,7 +343,7 @@ def _context_facts(context: list[psutil.Process], now: float) -> list[ProcessRep
 
 def _capture_tids(skip_threads: set[int] | None) -> set[int]:
     """Kernel ids of this process's threads that take part in the capture (left out of the graph)."""
-    skip = {threading.get_native_id()}
+    skip = {threading.get_native_id()} | procfs.reader_native_ids()
     for thread in threading.enumerate():
         if skip_threads and thread.ident in skip_threads and thread.native_id:
             skip.add(thread.native_id)
@@ -326,6 +401,12 @@ def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
             result.spared += part.spared
             result.survivors += part.survivors
             result.reaped.update(part.reaped)
+    for root in target.extra_roots:
+        part = kill_tree(root, exclude=target.exclude, include_root=True, spare_root_helpers=False)
+        result.killed += part.killed
+        result.spared += part.spared
+        result.survivors += part.survivors
+        result.reaped.update(part.reaped)
     result.shm_removed = cleanup_shm(target.shm_since, [p.pid for p in result.killed])
     if report is not None:
         report.killed = [p.pid for p in result.killed]

@@ -12,11 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import psutil
+
+from . import procfs
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -86,17 +88,13 @@ def helper_kind(cmdline: list[str], name: str) -> str | None:
 
 
 def _safe_cmdline(proc: psutil.Process) -> list[str]:
-    try:
-        return proc.cmdline()
-    except (psutil.Error, OSError):
-        return []
+    # bounded: psutil's cmdline() blocks on a process stuck in state D holding its mmap lock
+    return procfs.ProcReader().cmdline(proc.pid) or []
 
 
 def _safe_name(proc: psutil.Process) -> str:
-    try:
-        return proc.name()
-    except (psutil.Error, OSError):
-        return ""
+    stat = procfs.stat(proc.pid)  # not psutil's name(): it reads the cmdline of long names
+    return stat.comm if stat is not None else ""
 
 
 def is_zombie(proc: psutil.Process) -> bool:
@@ -118,29 +116,25 @@ def same_process(proc: psutil.Process, ident: ProcessId) -> bool:
 
 def start_ticks(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return int(stat.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    stat = procfs.stat(pid)
+    return stat.start_ticks if stat is not None else None
 
 
 def _child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` from ``/proc/PID/task/*/children``: no scan of every process."""
-    if pid == os.getpid():
+    """Direct children of ``pid`` from ``/proc/PID/task/*/children``: no scan of every process
+    (where the kernel has no such files, one scan of /proc: see ``_children_lister``)."""
+    if pid == os.getpid() and procfs.children_files():
         return _OwnChildren.read()
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    out: list[int] = []
-    for tid in tasks:
-        with (
-            contextlib.suppress(OSError, ValueError),
-            open(f"/proc/{pid}/task/{tid}/children") as f,
-        ):
-            out.extend(int(word) for word in f.read().split())
-    return out
+    return procfs.children(pid)
+
+
+def _children_lister() -> Callable[[int], list[int]]:
+    """How to list children for one walk of a tree: the ``children`` files, or, on kernels
+    without them (gVisor, no CONFIG_PROC_CHILDREN), one scan of /proc/*/stat for all."""
+    if procfs.children_files():
+        return _child_pids
+    table = procfs.ppid_table()
+    return lambda pid: table.get(pid, [])
 
 
 class _OwnChildren:
@@ -196,11 +190,16 @@ def births(root_pid: int, skip: Iterable[int] = ()) -> Births:
     with their trees (the plugin's monitor, which starts nothing).
     """
     leave_out = set(skip)
-    return births_below(pid for pid in _child_pids(root_pid) if pid not in leave_out)
+    children = _children_lister()
+    return _births_below((pid for pid in children(root_pid) if pid not in leave_out), children)
 
 
 def births_below(pids: Iterable[int]) -> Births:
     """(pid, start ticks) of ``pids`` and all their descendants, as they are now."""
+    return _births_below(pids, _children_lister())
+
+
+def _births_below(pids: Iterable[int], children: Callable[[int], list[int]]) -> Births:
     found: set[tuple[int, int]] = set()
     todo = list(pids)
     while todo:
@@ -209,7 +208,7 @@ def births_below(pids: Iterable[int]) -> Births:
         if ticks is None or (pid, ticks) in found:
             continue
         found.add((pid, ticks))
-        todo.extend(_child_pids(pid))
+        todo.extend(children(pid))
     return frozenset(found)
 
 
@@ -443,12 +442,13 @@ def _alive(ident: ProcessId) -> bool:
 
 
 def _maps_torch_shm(pid: int) -> bool:
-    """Whether ``pid`` maps a segment of torch's file_system sharing strategy."""
-    try:
-        with open(f"/proc/{pid}/maps") as maps:
-            return any(f"{SHM_DIR}/torch_" in line for line in maps)
-    except OSError:
-        return False
+    """Whether ``pid`` maps a segment of torch's file_system sharing strategy (True when its
+    maps cannot be read in time: sparing the manager is the safe side)."""
+    reader = procfs.ProcReader(skip_disk_sleep=False)
+    maps = reader.file(pid, "maps", 16 << 20)
+    if maps is None:
+        return bool(reader.unread)
+    return f"{SHM_DIR}/torch_".encode() in maps
 
 
 def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
@@ -540,17 +540,23 @@ def _open_anywhere(names: set[str]) -> set[str]:
         with contextlib.suppress(OSError):
             by_inode[os.stat(os.path.join(SHM_DIR, name)).st_ino] = name
     used: set[str] = set()
+    # Every process of the machine: one stuck in state D must not hang the cleanup (its maps are
+    # then unknown, and so is whether it uses a segment: all are kept).
+    reader = procfs.ProcReader(deadline=time.monotonic() + 2.0, skip_disk_sleep=False)
     for pid_dir in os.listdir("/proc"):
         if not pid_dir.isdigit():
             continue
         base = f"/proc/{pid_dir}"
-        with contextlib.suppress(OSError), open(f"{base}/maps") as maps:
-            for line in maps:
-                if SHM_DIR not in line:
-                    continue
-                fields = line.split(None, 5)
-                if len(fields) >= 5 and fields[4].isdigit() and int(fields[4]) in by_inode:
-                    used.add(by_inode[int(fields[4])])
+        unread = len(reader.unread)
+        maps = reader.file(int(pid_dir), "maps", 16 << 20)
+        if len(reader.unread) > unread:
+            return set(names)
+        for line in (maps or b"").decode(errors="replace").splitlines():
+            if SHM_DIR not in line:
+                continue
+            fields = line.split(None, 5)
+            if len(fields) >= 5 and fields[4].isdigit() and int(fields[4]) in by_inode:
+                used.add(by_inode[int(fields[4])])
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"{base}/fd"):
                 with contextlib.suppress(OSError):

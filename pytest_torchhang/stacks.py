@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from types import FrameType
 
+from . import procfs
 from ._hook import DUMP_SIGNAL, dump_path
 from .proctree import ProcessId, signal_process
 
@@ -52,6 +53,9 @@ class Dump:
     status: str  # "ok", or why there is no stack
     threads: list[ThreadStack] = field(default_factory=list)
     was_stopped: bool = False
+    #: False when the dump's text never showed its end within the budget (kept, but it may be
+    #: cut short: a writer preempted mid-dump looks the same as one that is done)
+    complete: bool = True
 
 
 def _frame(filename: str, lineno: int, name: str) -> Frame:
@@ -158,22 +162,56 @@ def in_process_threads(skip_idents: set[int] | None = None) -> list[ThreadStack]
 
 def handles_signal(pid: int, signum: int) -> bool:
     """Whether process ``pid`` catches ``signum`` (else sending it might kill the process)."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError):
-        pass
+    for line in procfs.text(f"/proc/{pid}/status").splitlines():
+        if line.startswith("SigCgt:"):
+            with contextlib.suppress(ValueError, IndexError):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     return False
 
 
 def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
+    stat = procfs.stat(pid)
+    return stat.state if stat is not None else "?"
+
+
+#: Frames a main thread's stack can start from: a script or ``-c`` (``<module>``), ``python -m``
+#: (runpy), and interpreter shutdown waiting for non-daemon threads (threading's ``_shutdown``).
+_MAIN_BOTTOMS = (
+    ("", "<module>"),
+    ("runpy", "_run_module_as_main"),
+    ("runpy", "_run_code"),
+    ("threading", "_shutdown"),
+)
+
+
+def _outermost(line: str, only_thread: bool) -> bool:
+    frame = _FRAME_LINE.match(line)
+    if frame is None:
+        # faulthandler's own ends: a stack cut at 100 frames, a dump cut at 100 threads, a thread
+        # without Python frames
+        return line in ("  ...", "...", "  <no Python frame>")
+    filename, name = frame.group(1), frame.group(3)
+    if only_thread and name == "_bootstrap" and filename.endswith("threading.py"):
+        return True  # forked from a thread: that thread is the process's only one
+    return any(name == n and part in filename for part, n in _MAIN_BOTTOMS)
+
+
+def dump_is_complete(text: str, one_thread: bool = False) -> bool:
+    """Whether faulthandler's ``all_threads`` output ``text`` has reached its end.
+
+    Evidence, not a pause in its growth: faulthandler writes threads newest first, so the main
+    thread comes last, and the dump is whole once that block ends at a frame a main thread starts
+    from (or at faulthandler's own truncation line). A writer preempted anywhere before leaves a
+    text that fails this test. A thread's ``_bootstrap`` ends a dump only where the kernel says
+    the process has ``one_thread`` (a child forked from a thread: that thread is all it has).
+    """
+    if not text.endswith("\n") or text.endswith("\n\n"):
+        return False  # mid-line, or the blank line before the next thread's header
+    lines = text.splitlines()
+    headers = [i for i, line in enumerate(lines) if _THREAD_HEADER.match(line)]
+    if not headers or headers[-1] == len(lines) - 1:
+        return False
+    return _outermost(lines[-1], one_thread and len(headers) == 1)
 
 
 def _holds_dump_file(pid: int, path: str) -> bool:
@@ -203,7 +241,10 @@ def request_dumps(
 
     A process is only signalled when it catches the dump signal and still holds its own dump file
     (so a process that replaced that descriptor never writes into someone else's file). A stopped
-    process is continued so it can answer. Returns within ``budget_s``.
+    process is continued so it can answer. A dump counts once its text shows its end
+    (``dump_is_complete``); one that never does is kept, marked incomplete, when the budget is
+    spent or when it has not grown for ``QUIET_S`` and nothing else is awaited. Returns within
+    ``budget_s``.
     """
     dumps: dict[int, Dump] = {}
     waiting: dict[int, tuple[str, int]] = {}  # pid -> (path, offset before the request)
@@ -232,19 +273,51 @@ def request_dumps(
             signal_process(ident, signal.SIGCONT)
         dumps[pid] = Dump("no stack: no answer within the capture budget", was_stopped=stopped)
         waiting[pid] = (path, offset)
-    deadline = time.monotonic() + budget_s
-    last_size: dict[int, int] = {}
-    while waiting and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _collect(dumps, waiting, time.monotonic() + budget_s)
+    return dumps
+
+
+#: A dump whose end never shows is given up on after this long without growing, once it is the
+#: only thing the capture still waits for (a preempted writer usually resumes well within it).
+QUIET_S = 0.5
+
+
+def _collect(dumps: dict[int, Dump], waiting: dict[int, tuple[str, int]], deadline: float) -> None:
+    """Read the answers as they come until each is complete or the deadline passes."""
+    grown: dict[int, tuple[int, float]] = {}  # pid -> (size, when it last changed)
+    one_thread = {pid: getattr(procfs.stat(pid), "num_threads", 0) == 1 for pid in waiting}
+    unfinished: dict[int, str] = {}  # pid -> the text so far, not yet shown complete
+    while waiting:
+        now = time.monotonic()
         for pid, (path, offset) in list(waiting.items()):
             size = _size(path)
-            if size > offset and last_size.get(pid) == size:
-                with contextlib.suppress(OSError):
-                    with open(path, errors="replace") as dump_file:
-                        dump_file.seek(offset)
-                        text = dump_file.read()
-                    dumps[pid].status = "ok"
-                    dumps[pid].threads = parse_faulthandler(text)
+            if size <= offset or grown.get(pid, (0, 0.0))[0] == size:
+                continue
+            grown[pid] = (size, now)
+            text = _read_from(path, offset)
+            if text is not None and dump_is_complete(text, one_thread[pid]):
+                dumps[pid].status = "ok"
+                dumps[pid].threads = parse_faulthandler(text)
+                unfinished.pop(pid, None)
                 del waiting[pid]
-            last_size[pid] = size
-    return dumps
+            elif text is not None:
+                unfinished[pid] = text
+        quiet = all(p in grown and now - grown[p][1] >= QUIET_S for p in waiting)
+        if not waiting or now >= deadline or quiet:
+            break
+        time.sleep(0.01)
+    for pid, text in unfinished.items():
+        dumps[pid].status = "ok"
+        dumps[pid].threads = parse_faulthandler(text)
+        dumps[pid].complete = False
+        if dumps[pid].threads:
+            dumps[pid].threads[-1].truncated = True
+
+
+def _read_from(path: str, offset: int) -> str | None:
+    try:
+        with open(path, "rb") as dump_file:
+            dump_file.seek(offset)
+            return dump_file.read().decode(errors="replace")
+    except OSError:
+        return None

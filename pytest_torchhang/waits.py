@@ -13,12 +13,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from stat import S_ISFIFO
 
+from . import procfs
 from .report import Collective, ProcessReport, TaskWait, WaitEdge
 from .stacks import ThreadStack
 
 #: The whole read is bounded: past this, threads keep their syscall but objects are not resolved.
 BUDGET_S = 0.5
-_TICKS = os.sysconf("SC_CLK_TCK")
+_TICKS = procfs.TICKS
 #: At most this many threads are read per process (a torch process may run dozens of idle ones).
 MAX_TASKS = 64
 #: At most this many descriptors of one poll/select are followed.
@@ -108,25 +109,17 @@ def _signal_name(sig: int) -> str:
     return signal.Signals(sig).name
 
 
-def _read(path: str, limit: int = 65536) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _stat(path: str) -> list[str]:
-    """Fields of a /proc stat file after the command name (field 3, the state, comes first)."""
-    text = _read(path, 4096)
-    return text.rsplit(")", 1)[1].split() if ")" in text else []
+_read = procfs.text  # files that never block; maps and mem go through the bounded reader
 
 
 class _Reader:
     """One pass over the tree; caches what several threads share (fd tables, maps, sockets)."""
 
-    def __init__(self, pids: list[int], skip_tids: set[int], deadline: float) -> None:
+    def __init__(
+        self, pids: list[int], skip_tids: set[int], deadline: float, proc: procfs.ProcReader
+    ) -> None:
         self.pids = pids
+        self.proc = proc
         self.skip_tids = skip_tids
         self.deadline = deadline
         self._fds: dict[int, dict[int, str]] = {}
@@ -175,7 +168,8 @@ class _Reader:
         """Shared file mappings of ``pid``: (start, end, inode key, path)."""
         if pid not in self._maps:
             out = []
-            for line in _read(f"/proc/{pid}/maps", 4 << 20).splitlines():
+            raw = self.proc.file(pid, "maps", 4 << 20) or b""
+            for line in raw.decode(errors="replace").splitlines():
                 parts = line.split(None, 5)
                 if len(parts) < 6 or parts[1][3] != "s" or parts[4] == "0":
                     continue
@@ -222,11 +216,11 @@ class _Reader:
 
     def task(self, pid: int, tid: int) -> TaskWait:
         base = f"/proc/{pid}/task/{tid}"
-        stat = _stat(f"{base}/stat")
+        stat = procfs.stat(pid, tid)
         task = TaskWait(
             tid=tid,
             name=_read(f"{base}/comm", 64).strip(),
-            state=stat[0] if stat else "?",
+            state=stat.state if stat else "?",
         )
         raw = _read(f"{base}/syscall", 256).split()
         wchan = _read(f"{base}/wchan", 128).strip()
@@ -342,9 +336,7 @@ class _Reader:
         return None
 
     def _mem(self, pid: int, addr: int, size: int) -> bytes:
-        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            mem.seek(addr)
-            return mem.read(size)
+        return self.proc.mem(pid, addr, size) or b""  # not read: the reader notes why
 
     def _poll_fds(self, pid: int, addr: int, nfds: int) -> list[int]:
         nfds = min(nfds, MAX_POLL_FDS)
@@ -374,7 +366,8 @@ class _Reader:
             return
         mapping = next(((k, p) for s, e, k, p in self.maps(pid) if s <= addr < e), None)
         if mapping is None:
-            task.obj = f"futex {addr:#x} (shared)"
+            unread = any(u.pid == pid and u.what == "maps" for u in self.proc.unread)
+            task.obj = f"futex {addr:#x} (shared{'; its maps were not read' if unread else ''})"
             return
         key, path = mapping
         task.obj = f"futex {addr:#x} in {path}"
@@ -461,12 +454,7 @@ def _addr(hexaddr: str) -> str:
     return f"{ip}:{int(port, 16)}"
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            out += [int(c) for c in _read(f"/proc/{pid}/task/{tid}/children", 65536).split()]
-    return out
+_children = procfs.children
 
 
 def _unix_peers(timeout_s: float = 0.2) -> dict[str, str]:
@@ -516,23 +504,19 @@ def _parse_unix_msg(msg: bytes, peers: dict[str, str]) -> None:
 
 def _age(pid: int, tid: int | None = None) -> float:
     """Seconds since ``pid`` (or its thread ``tid``) started (infinite when unreadable)."""
-    stat = _stat(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat")
-    try:
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - int(stat[19]) / _TICKS
-    except (ValueError, IndexError):
+    stat = procfs.stat(pid, tid)
+    if stat is None:
         return float("inf")
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - stat.start_ticks / _TICKS
 
 
 def _member(reader: _Reader, pid: int) -> Member:
-    stat = _stat(f"/proc/{pid}/stat")
-    if not stat:
+    stat = procfs.stat(pid)
+    if stat is None:
         return Member(pid, state="gone")
-    member = Member(pid, ppid=int(stat[1]), state=stat[0])
-    with contextlib.suppress(ValueError, IndexError):
-        member.cpu_ticks = int(stat[11]) + int(stat[12])
+    member = Member(pid, ppid=stat.ppid, state=stat.state, cpu_ticks=stat.cpu_ticks)
     if member.state in ("Z", "X"):
-        with contextlib.suppress(ValueError, IndexError):
-            member.exit_code = int(stat[49])
+        member.exit_code = stat.exit_code
         return member
     try:
         tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
@@ -553,16 +537,20 @@ def read(
     skip_tids: set[int] | None = None,
     budget_s: float = BUDGET_S,
     newer_than_s: float | None = None,
+    proc: procfs.ProcReader | None = None,
 ) -> Evidence:
     """What every thread of ``pids`` (and their zombie children) waits for, bounded by ``budget_s``.
 
     ``skip_tids``: threads of the calling process that belong to the capture itself;
     ``newer_than_s``: zombies older than this are left out (an earlier test's leftovers).
-    Nothing is signalled or traced; files that cannot be read leave their fields empty.
+    Nothing is signalled or traced; files that cannot be read leave their fields empty. Reads
+    that can block go through ``proc`` (a capture's reader, which then holds their notes).
     """
     start = time.monotonic()
     wanted = list(dict.fromkeys(pids))
-    reader = _Reader(wanted, skip_tids or set(), start + budget_s)
+    own_reader = proc is None
+    proc = proc or procfs.ProcReader(deadline=start + budget_s)
+    reader = _Reader(wanted, skip_tids or set(), start + budget_s, proc)
     reader.newer_than_s = newer_than_s
     evidence = Evidence()
     for pid in wanted:
@@ -580,6 +568,8 @@ def read(
         evidence.notes.append(
             f"wait-for graph: the {budget_s:.1f}s budget ran out; some objects were not resolved"
         )
+    if own_reader:
+        evidence.notes += proc.notes()
     evidence.read_s = time.monotonic() - start
     return evidence
 
@@ -594,9 +584,8 @@ def cpu_s(pid: int, skip_tids: set[int] | None = None) -> float:
     for tid in tids:
         if skip_tids and int(tid) in skip_tids:
             continue
-        stat = _stat(f"/proc/{pid}/task/{tid}/stat")
-        with contextlib.suppress(ValueError, IndexError):
-            ticks += int(stat[11]) + int(stat[12])
+        stat = procfs.stat(pid, int(tid))
+        ticks += stat.cpu_ticks if stat is not None else 0
     return ticks / _TICKS
 
 
@@ -667,7 +656,13 @@ def collect_collectives(
         if not waiting or time.monotonic() > deadline:
             break
         time.sleep(0.01)
+    from ._hook import collectives_request_path
+
     for pid in waiting:
+        if not os.path.exists(collectives_request_path(dump_dir, pid)):
+            # the listener removes its FIFO when it dies, and leaves a note saying why
+            out[pid] = "flight recorder: its listener died before answering"
+            continue
         out[pid] = "flight recorder: no answer in time (the process may hold the GIL in C)"
     return out
 
