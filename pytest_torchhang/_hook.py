@@ -9,6 +9,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import time
 from typing import TextIO
 
 #: Set by the plugin while a timeout is armed; names the directory for per-process dump files.
@@ -47,17 +48,20 @@ def child_note(text: str) -> None:
     """Record a failure of the plugin's own child-side code (a patch, a listener) for the report.
 
     Nothing the plugin does in a child may fail silently: the capture reads these notes into the
-    hang report. Never raises (no dump directory: nothing is written).
+    hang report. Each line starts with the wall time, so a capture keeps only its test's notes.
+    Never raises (no dump directory: nothing is written).
     """
     dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
     if not dump_dir:
         return
-    line = " ".join(text.split())[:1000] + "\n"
+    line = f"{time.time():.3f} " + " ".join(text.split())[:1000] + "\n"
     try:
-        fd = os.open(notes_path(dump_dir, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(
+            notes_path(dump_dir, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+        )
     except OSError:
         return
-    try:  # noqa: SIM105 - no contextlib: this module must stay cheap to import
+    try:
         os.write(fd, line.encode("utf-8", "replace"))  # one write: lines never interleave
     except OSError:
         pass
@@ -72,8 +76,10 @@ def set_role(role: str) -> None:
         try:
             with open(role_path(dump_dir, os.getpid()), "w") as out:
                 out.write(role)
-        except OSError:
-            pass
+        except OSError as exc:
+            child_note(
+                f"pytest-torchhang could not record the role {role!r} of pid {os.getpid()}: {exc}"
+            )
 
 
 class _Registration:
@@ -106,7 +112,11 @@ def _register() -> None:
     inherited = _Registration.file
     try:
         new_file = open(dump_path(dump_dir, os.getpid()), "w")  # noqa: SIM115 - must outlive us
-    except OSError:
+    except OSError as exc:
+        child_note(
+            f"pytest-torchhang could not open the stack dump file of pid {os.getpid()}, so its "
+            f"stacks cannot be taken: {exc}"
+        )
         return
     faulthandler.register(DUMP_SIGNAL, file=new_file, all_threads=True, chain=False)
     _Registration.file = new_file
@@ -139,10 +149,13 @@ def install(dump_dir: str | None = None) -> bool:
     if not _Registration.fork_hook_installed:
         os.register_at_fork(after_in_child=_register)
         _Registration.fork_hook_installed = True
-    try:  # noqa: SIM105 - ranks' collectives are a bonus: never break the start-up
+    try:  # ranks' collectives are a bonus: never break the start-up
         _install_finder()
-    except Exception:
-        pass
+    except Exception as exc:
+        child_note(
+            f"pytest-torchhang could not hook torch.distributed in pid {os.getpid()} (no flight-"
+            f"recorder entries from it): {type(exc).__name__}: {exc}"
+        )
     return True
 
 
@@ -192,7 +205,16 @@ def _serve_collectives(fifo: str, out_path: str, since_ns: int) -> None:
             finally:
                 os.close(fd)
             _dump_collectives(out_path, since_ns)
-        except Exception:
+        except Exception as exc:
+            # Said here, or the report would read the missing answer as a GIL held in C.
+            child_note(
+                f"pytest-torchhang's flight-recorder listener in pid {os.getpid()} died, so its "
+                f"collectives cannot be shown: {type(exc).__name__}: {exc}"
+            )
+            try:  # noqa: SIM105 - no contextlib: this module must stay cheap to import
+                os.unlink(fifo)  # nobody listens: the capture must not ask
+            except OSError:
+                pass
             return
 
 
@@ -215,7 +237,10 @@ def start_collectives_listener(since_ns: int | None = None) -> bool:
         if os.path.exists(fifo):
             os.unlink(fifo)  # left by an earlier process with this pid
         os.mkfifo(fifo, 0o600)
-    except OSError:
+    except OSError as exc:
+        child_note(
+            f"pytest-torchhang could not start the flight-recorder listener of pid {pid}: {exc}"
+        )
         return False
     import threading
 
@@ -273,10 +298,13 @@ class _C10dFinder:
 
         def exec_and_wrap(module: object) -> None:
             exec_module(module)
-            try:  # noqa: SIM105
+            try:
                 _wrap_init(module)
-            except Exception:
-                pass
+            except Exception as exc:
+                child_note(
+                    f"pytest-torchhang could not wrap init_process_group in pid {os.getpid()} "
+                    f"(no flight-recorder entries from it): {type(exc).__name__}: {exc}"
+                )
 
         loader.exec_module = exec_and_wrap  # type: ignore[union-attr]
         return spec

@@ -41,18 +41,45 @@ def _stress() -> None:
     _os.register_at_fork(after_in_child=jitter)
 
 
+def _note(hook: object, text: str) -> None:
+    """Say what failed, for the hang report (``_hook.child_note``, or its format by hand when
+    ``_hook`` itself could not be loaded)."""
+    note = getattr(hook, "child_note", None)
+    if note is not None:
+        note(text)
+        return
+    dump_dir = _os.environ.get("PYTEST_TORCH_HANG_DUMP_DIR")  # _hook.DUMP_DIR_ENV
+    if not dump_dir:
+        return
+    import time
+
+    try:
+        with open(_os.path.join(dump_dir, f"{_os.getpid()}.notes"), "a") as out:
+            out.write(f"{time.time():.3f} {' '.join(text.split())[:1000]}\n")
+    except OSError:
+        pass  # nowhere left to say it
+
+
 def _torchhang_bootstrap() -> None:
     here = _os.path.dirname(_os.path.abspath(__file__))
     package_dir = _os.path.dirname(here)
+    hook = None
+    step = "load its start-up hook"
     try:
         hook = _load(package_dir, "_hook")
+        step = "install its stack-dump handler"
         hook.install()  # type: ignore[attr-defined]
         if _os.environ.get("PYTEST_TORCH_HANG_PROGRESS"):  # stall detection is armed
+            step = "install its progress beats"
             _load(package_dir, "_progress").install()  # type: ignore[attr-defined]
         if _os.environ.get("PYTEST_TORCH_HANG_STRESS"):
+            step = "start --torch-hang-hunt-stress"
             _stress()
-    except Exception:  # never break the child's start-up
-        pass
+    except Exception as exc:  # never break the child's start-up: say it instead
+        _note(
+            hook,
+            f"pytest-torchhang could not {step} in pid {_os.getpid()}: {type(exc).__name__}: {exc}",
+        )
     _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != here]
     me = _sys.modules.pop("sitecustomize", None)
     try:
