@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from . import devices, jobs, runner
 from .child import LINGER_ENV
@@ -23,6 +24,29 @@ MARGIN_S = 0.5
 PEER_GRACE_S = 0.5
 
 __all__ = ["LoaderStats", "TorchHang"]
+
+
+class CallWatch(Protocol):
+    """The test's deadline, told of each fixture call (``watchdog.TestDeadline`` is one): its
+    own fire then never overlaps a call's capture, and captures the call's children too."""
+
+    def call_started(self, seconds: float, pids: list[int]) -> int: ...
+    def call_capturing(self, key: int) -> None: ...
+    def call_ended(self, key: int, hung: bool) -> None: ...
+
+
+class _Call:
+    """One fixture call as its test's deadline sees it."""
+
+    def __init__(self, watch: CallWatch | None, key: int) -> None:
+        self._watch, self._key = watch, key
+        self.hung = False
+
+    def capturing(self, hung: bool = True) -> None:
+        """The call captures and kills its children now (``hung``: it will raise HangError)."""
+        self.hung = hung
+        if self._watch is not None:
+            self._watch.call_capturing(self._key)
 
 
 def _name(fn: Any) -> str:
@@ -51,7 +75,9 @@ class TorchHang:
         deadline: Callable[[], float | None],
         gpus: list[str] | None = None,
         native: bool = False,
+        watch: Callable[[], CallWatch | None] = lambda: None,
     ) -> None:
+        self._watch = watch
         self._native = native
         self._get_runner = get_runner
         self._test_id = test_id
@@ -72,6 +98,25 @@ class TorchHang:
         if deadline is not None:
             return max(deadline - time.monotonic() - MARGIN_S, 0.1)
         return DEFAULT_TIMEOUT_S
+
+    @contextlib.contextmanager
+    def _watched(
+        self, the_runner: runner.Runner, children: list[runner.Child], seconds: float
+    ) -> Iterator[_Call]:
+        """Tell the test's deadline of this call while it runs; whatever ends it (a result, a
+        hang of its own, the test's HangError), its children are gone and its files removed."""
+        watch = self._watch()
+        key = watch.call_started(seconds, [c.pid for c in children]) if watch else 0
+        call = _Call(watch, key)
+        try:
+            yield call
+        finally:
+            try:
+                runner.stop(the_runner, children)  # a no-op when every child has exited
+            finally:
+                the_runner.forget(children)
+                if watch is not None:
+                    watch.call_ended(key, call.hung)
 
     def _method(self, start_method: str | None) -> str:
         method = start_method or "zygote"
@@ -133,15 +178,17 @@ class TorchHang:
         seconds, method = self._timeout(timeout), self._method(start_method)
         the_runner = self._get_runner()
         child = the_runner.start(fn, args, kwargs, method=method, role=f"{label} child", env=env)
-        left = runner.wait(the_runner, [child], seconds, stop_on_error=False)
-        if left <= 0 and the_runner.is_running(child):
-            report = runner.hang_report(
-                the_runner, [child], f"{label} in {self._test_id}", seconds, self._native
-            )
+        with self._watched(the_runner, [child], seconds) as call:
+            left = runner.wait(the_runner, [child], seconds, stop_on_error=False)
+            if left <= 0 and the_runner.is_running(child):
+                call.capturing()
+                report = runner.hang_report(
+                    the_runner, [child], f"{label} in {self._test_id}", seconds, self._native
+                )
+                self._relay(the_runner, [child])
+                runner.raise_hang(report)
             self._relay(the_runner, [child])
-            runner.raise_hang(report)
-        self._relay(the_runner, [child])
-        return runner.raise_outcome(the_runner, child)
+            return runner.raise_outcome(the_runner, child)
 
     def dataloader(
         self,
@@ -200,16 +247,18 @@ class TorchHang:
             the_runner, fn, args, kwargs, world_size, backend, method, seconds, init_seconds
         )
         label = f"torch_hang.distributed({_name(fn)}, world_size={world_size}) in {self._test_id}"
-        left = runner.wait(the_runner, ranks, seconds, stop_on_error=True)
-        failed = [c for c in ranks if the_runner.failed(c)]
-        if failed:
-            self._raise_first_failure(the_runner, ranks, failed, left, label, seconds)
-        if left <= 0 and any(the_runner.is_running(c) for c in ranks):
-            report = runner.hang_report(the_runner, ranks, label, seconds, self._native)
+        with self._watched(the_runner, ranks, seconds) as call:
+            left = runner.wait(the_runner, ranks, seconds, stop_on_error=True)
+            failed = [c for c in ranks if the_runner.failed(c)]
+            if failed:
+                self._raise_first_failure(the_runner, ranks, failed, left, label, seconds, call)
+            if left <= 0 and any(the_runner.is_running(c) for c in ranks):
+                call.capturing()
+                report = runner.hang_report(the_runner, ranks, label, seconds, self._native)
+                self._relay(the_runner, ranks)
+                runner.raise_hang(report)
             self._relay(the_runner, ranks)
-            runner.raise_hang(report)
-        self._relay(the_runner, ranks)
-        return [runner.raise_outcome(the_runner, c) for c in ranks]
+            return [runner.raise_outcome(the_runner, c) for c in ranks]
 
     def _backend(self, world_size: int, backend: str | None) -> str:
         """The backend to use (gloo, or nccl when every rank has a GPU of its own); bad input
@@ -280,6 +329,7 @@ class TorchHang:
         left: float,
         label: str,
         seconds: float,
+        call: _Call,
     ) -> None:
         """Raise the first failed rank's error, with what every other rank did as a note."""
         first = min(failed, key=lambda c: c.ended)
@@ -302,6 +352,7 @@ class TorchHang:
                 "makes them fail (gloo: connection reset) or wait forever (nccl)"
             )
         if waiting:
+            call.capturing(hung=False)  # the rank's own error is raised, not a HangError
             report = runner.hang_report(the_runner, waiting, label, seconds, self._native)
             note += "\nstacks of the ranks still running (then killed):\n" + report.to_text()
         runner.stop(the_runner, ranks)
@@ -325,7 +376,12 @@ def _fate(the_runner: runner.Runner, child: runner.Child) -> str:
 
 
 def run_isolated(
-    the_runner: runner.Runner, function: Any, funcargs: dict[str, Any], test_id: str, timeout: float
+    the_runner: runner.Runner,
+    function: Any,
+    funcargs: dict[str, Any],
+    test_id: str,
+    timeout: float,
+    watch: CallWatch | None = None,
 ) -> None:
     """Run a whole test body in a child (``@pytest.mark.torch_hang(isolate=True)``)."""
     check_picklable(function, f"the isolated test {test_id}")
@@ -337,7 +393,7 @@ def run_isolated(
                 f"isolate=True runs {test_id} in a child process, so its fixture values must be "
                 f"picklable; {name!r} is not ({type(exc).__name__}: {exc})"
             ) from None
-    hang = TorchHang(lambda: the_runner, test_id, lambda: None)
+    hang = TorchHang(lambda: the_runner, test_id, lambda: None, watch=lambda: watch)
     hang._run_one(
         jobs.call_test,
         (function, funcargs),

@@ -21,6 +21,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 
@@ -123,6 +124,7 @@ class MonitorClient:
         self._spare_root = spare_root
         self._proc: subprocess.Popen[bytes] | None = None
         self._write_fd: int | None = None
+        self._lock = threading.RLock()  # the test's thread and the watchdog's both use it
         self.board = DeadlineBoard(os.path.join(dump_dir, f"monitor-{os.getpid()}.page"), True)
 
     @property
@@ -130,9 +132,17 @@ class MonitorClient:
         return self._proc.pid if self._proc is not None else None
 
     def _start(self) -> None:
+        from . import processwide
+
         read_fd, write_fd = os.pipe()
         env = {k: v for k, v in os.environ.items() if k != DUMP_DIR_ENV}
-        self._proc = subprocess.Popen(
+        self._proc = processwide.launch(lambda: self._popen(read_fd, env))
+        os.close(read_fd)
+        os.set_inheritable(write_fd, False)
+        self._write_fd = write_fd
+
+    def _popen(self, read_fd: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -152,20 +162,36 @@ class MonitorClient:
             close_fds=True,
             start_new_session=True,  # Ctrl-C in the terminal is pytest's, not the monitor's
         )
-        os.close(read_fd)
-        os.set_inheritable(write_fd, False)
-        self._write_fd = write_fd
 
     def ensure_started(self) -> int:
         """Start the monitor if it is not running; returns its pid."""
-        if self._proc is None or self._proc.poll() is not None:
-            self._close_pipe()
-            self._start()
-        assert self._proc is not None
-        return self._proc.pid
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._close_pipe()
+                self._start()
+            assert self._proc is not None
+            return self._proc.pid
+
+    def check(self) -> str | None:
+        """Restart a monitor that died (the GIL backstop must never be gone silently); returns
+        what happened, for the session's notes, or None when it runs."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is None:
+                return None
+            code = proc.returncode
+            self.ensure_started()  # it reads the current deadline from the page, which outlives it
+        return (
+            f"pytest-torchhang's monitor (the last resort when a thread holds the GIL) exited "
+            f"with status {code} and was restarted"
+        )
 
     def send(self, line: str) -> None:
         """Tell the monitor ``line``; restart it once if it died."""
+        with self._lock:
+            self._send(line)
+
+    def _send(self, line: str) -> None:
         for _ in range(2):
             self.ensure_started()
             assert self._write_fd is not None
@@ -265,6 +291,9 @@ def main(argv: list[str]) -> int:
     spare_root = "--spare-root" in argv[5:]
     fired: tuple[int, float] | None = None  # (generation, when) of the last FIRED
     pending = b""
+    # A monitor restarted late may find a deadline already past on the page: the watchdog,
+    # which restarted it, gets its grace from now, not from then.
+    earliest = time.monotonic() + GIL_GRACE_S
     while True:
         current = board.read()
         if current is None or (fired is not None and fired[0] != current[0]):
@@ -272,6 +301,7 @@ def main(argv: list[str]) -> int:
         due = None
         if current is not None:
             due = fired[1] + HARD_GRACE_S if fired is not None else current[1] + GIL_GRACE_S
+            due = max(due, earliest)
         now = time.monotonic()
         if current is not None and due is not None and now >= due:
             deadline, timeout_s, before, test_id = current[1:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import os
 import sys
 import threading
@@ -217,38 +218,47 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     """Take over pytest-timeout's ``--timeout`` / ``@pytest.mark.timeout`` deadline.
 
     The test then gets the whole-tree report and cleanup instead of pytest-timeout's stack dump
-    and ``os._exit`` (thread method) or bare SIGALRM (signal method). When both plugins set a
-    timeout, the earlier deadline applies.
+    and ``os._exit`` (thread method) or bare SIGALRM (signal method). Its limit joins the
+    test's deadline model with the plugin's own: whichever is due first fires.
     """
     state = item.config.stash.get(_SESSION, None)
     if state is None:
         return None  # off Linux: pytest-timeout keeps its own deadline
+    from .deadline import Source
+
     item_settings = item.stash.get(_ITEM_SETTINGS, None)
-    state.arm(item, float(settings.timeout), item_settings.stall if item_settings else 0.0)
+    stall = item_settings.stall if item_settings else 0.0
+    state.arm(item, float(settings.timeout), stall, Source.PYTEST_TIMEOUT)
     return True
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    # Our protocol wrapper lifts the deadline after teardown; here only pdb's post-mortem
-    # (pytest-timeout calls this from pytest_exception_interact) matters, handled below.
-    return True if item.config.stash.get(_SESSION, None) is not None else None
+    """pytest-timeout's timer ends (after the call with ``func_only``, after the test, or at a
+    post-mortem debugger): its limit leaves the model; the plugin's own stays."""
+    state = item.config.stash.get(_SESSION, None)
+    if state is None:
+        return None
+    held = _deadline(item)
+    if held is not None:
+        from .deadline import ClearLimit, Source
+
+        held.feed(ClearLimit(Source.PYTEST_TIMEOUT))
+    return True
 
 
 def pytest_enter_pdb(config: pytest.Config) -> None:
-    """No hang is declared, and nothing killed, while a user sits in the debugger."""
+    """No hang is declared, and nothing killed, while a user sits in the debugger: every clock
+    of the current test stops until the debugger is left."""
     state = config.stash.get(_SESSION, None)
     if state is not None and state.current is not None:
-        state.disarm(state.current)
+        state.pause(state.current)
 
 
-def pytest_exception_interact(node: pytest.Item | pytest.Collector) -> None:
-    state = node.config.stash.get(_SESSION, None)
-    if state is None or not isinstance(node, pytest.Item) or not node.config.getvalue("usepdb"):
-        return
-    held = _deadline(node)
-    if held is not None:
-        state.disarm(held)
+def pytest_leave_pdb(config: pytest.Config) -> None:
+    state = config.stash.get(_SESSION, None)
+    if state is not None and state.current is not None:
+        state.resume(state.current)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -336,7 +346,8 @@ def torch_hang(request: pytest.FixtureRequest) -> TorchHang:
 
     def deadline() -> float | None:
         held = _deadline(node)
-        return held.deadline if held is not None else None
+        due = held.deadline if held is not None else math.inf
+        return due if due < math.inf else None
 
     return fixtures.TorchHang(
         state.get_runner,
@@ -344,6 +355,7 @@ def torch_hang(request: pytest.FixtureRequest) -> TorchHang:
         deadline,
         devices.leased_devices(node),
         native=state.settings.native,
+        watch=lambda: _deadline(node),
     )
 
 
@@ -358,8 +370,7 @@ def _needs_per_test_hooks(config: pytest.Config, items: list[pytest.Item]) -> bo
         return False
     if state.settings.timeout > 0 or state.settings.stall > 0:
         return True
-    timeout_plugin = getattr(getattr(config, "_env_timeout", None), "timeout", None)
-    if timeout_plugin:  # pytest-timeout's --timeout / ini / PYTEST_TIMEOUT: taken over here
+    if settings.pytest_timeout_seconds(config) > 0:  # pytest-timeout's: taken over here
         return True
     for item in items:
         item_settings = item.stash.get(_ITEM_SETTINGS, None)
@@ -462,7 +473,7 @@ class _PerTestHooks:
         report = yield
         fresh = held.take_reports(self._wait_s) if held is not None and held.fired else []
         if fresh:
-            self._mark_hang(item, report, fresh[-1])
+            self._mark_hang(item, report, fresh[0])  # the first capture is the report
         elif isinstance(raised, self._hang_error) and raised.report is not None:
             self._mark_hang(item, report, raised.report)  # from the fixture or an isolated test
         return report
@@ -486,11 +497,12 @@ class _PerTestHooks:
         names = pyfuncitem._fixtureinfo.argnames
         funcargs = {name: pyfuncitem.funcargs[name] for name in names}
         held = pyfuncitem.stash.get(self._key, None)
+        due = held.deadline if held is not None else math.inf
         timeout = (
-            max(held.deadline - time.monotonic() - fixtures.MARGIN_S, 0.1)
-            if held is not None
+            max(due - time.monotonic() - fixtures.MARGIN_S, 0.1)
+            if due < math.inf
             else fixtures.DEFAULT_TIMEOUT_S
         )
         runner = self.state.get_runner()
-        fixtures.run_isolated(runner, pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout)
+        fixtures.run_isolated(runner, pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout, held)
         return True

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from . import _hook
 from .proctree import become_subreaper
@@ -26,6 +26,10 @@ INJECT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inject")
 
 #: Called in the interrupted thread: the exception to raise there, or None (not its turn).
 Receiver = Callable[[], BaseException | None]
+#: How long a helper's start may wait for the launcher thread.
+LAUNCH_WAIT_S = 60.0
+
+T = TypeVar("T")
 
 
 class _Shared:
@@ -99,3 +103,59 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
         exc = receiver()
         if exc is not None:
             raise exc
+
+
+class _Launcher:
+    """One thread that starts the plugin's helper processes (the zygote, the monitor).
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that started a process exits, not the process:
+    a zygote started from a user's helper thread died with that thread. Started from this
+    thread, which lives as long as the process, nothing the plugin starts depends on the
+    lifetime of a user's thread.
+    """
+
+    lock: ClassVar[threading.Lock] = threading.Lock()
+    thread: ClassVar[threading.Thread | None] = None
+    work: ClassVar[list[tuple[Callable[[], Any], list[Any], threading.Event]]] = []
+    ready: ClassVar[threading.Condition] = threading.Condition(lock)
+
+    @classmethod
+    def serve(cls) -> None:
+        while True:
+            with cls.ready:
+                while not cls.work:
+                    cls.ready.wait()
+                fn, box, done = cls.work.pop(0)
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # handed to the caller, raised there
+                box.append((False, exc))
+            done.set()
+
+
+def launcher_ident() -> int | None:
+    """The launcher thread's ident (a plugin thread: never part of a hang report)."""
+    thread = _Launcher.thread
+    return thread.ident if thread is not None else None
+
+
+def launch(fn: Callable[[], T], wait_s: float = LAUNCH_WAIT_S) -> T:
+    """``fn()`` (which starts a helper process), run on the process's launcher thread."""
+    if threading.current_thread() is _Launcher.thread:
+        return fn()
+    box: list[Any] = []
+    done = threading.Event()
+    with _Launcher.ready:
+        if _Launcher.thread is None or not _Launcher.thread.is_alive():
+            _Launcher.thread = threading.Thread(
+                target=_Launcher.serve, name="torch-hang launcher", daemon=True
+            )
+            _Launcher.thread.start()
+        _Launcher.work.append((fn, box, done))
+        _Launcher.ready.notify()
+    if not done.wait(wait_s):
+        raise RuntimeError(f"pytest-torchhang could not start a helper process in {wait_s:.0f}s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]

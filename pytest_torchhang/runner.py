@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -26,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from . import _hook, guard
+from . import _hook, guard, processwide
 from ._hook import DUMP_DIR_ENV
 from .child import Outcome
 from .exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
@@ -55,16 +56,23 @@ class Zygote:
     """The client of one zygote process (see ``zygote.py``)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest_torchhang.zygote"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # Ctrl-C in the terminal is pytest's, not the zygote's
+        # Started from the launcher thread: the zygote dies with its parent (PR_SET_PDEATHSIG),
+        # which is the thread that started it, and a user's thread may end at any time.
+        self.proc = processwide.launch(
+            lambda: subprocess.Popen(
+                [sys.executable, "-m", "pytest_torchhang.zygote"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                start_new_session=True,  # Ctrl-C in the terminal is pytest's, not the zygote's
+            )
         )
         self._buffer = b""
         self.exits: dict[int, int] = {}
         self._pids: dict[str, int] = {}
+        # Fixture calls may come from several threads at once: one reader of the event pipe
+        # and one writer of requests at a time.
+        self._lock = threading.RLock()
         self._wait_for(lambda: self._ready, ZYGOTE_START_S, "to start (import torch)")
 
     _ready = False
@@ -77,6 +85,10 @@ class Zygote:
         return self.proc.poll() is None
 
     def _pump(self, timeout: float) -> None:
+        with self._lock:
+            self._pump_locked(timeout)
+
+    def _pump_locked(self, timeout: float) -> None:
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         ready, _, _ = select.select([fd], [], [], max(timeout, 0.0))
@@ -111,10 +123,17 @@ class Zygote:
 
     def fork(self, request_path: str) -> int:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(request_path.encode() + b"\n")
-        self.proc.stdin.flush()
+        with self._lock:
+            self.proc.stdin.write(request_path.encode() + b"\n")
+            self.proc.stdin.flush()
         self._wait_for(lambda: request_path in self._pids, ZYGOTE_FORK_S, "to fork a child")
-        return self._pids.pop(request_path)
+        with self._lock:
+            return self._pids.pop(request_path)
+
+    def take_exit(self, pid: int) -> int | None:
+        """The exit code of child ``pid`` once the zygote reported it (once)."""
+        with self._lock:
+            return self.exits.pop(pid, None)
 
     def poll(self) -> None:
         """Read whatever events are there, without blocking."""
@@ -170,6 +189,7 @@ class Runner:
         self.dump_dir = os.path.join(self.workdir, "dumps")
         os.mkdir(self.dump_dir)
         self._zygote: Zygote | None = None
+        self._lock = threading.Lock()  # one zygote, whichever thread calls first
         # The zygote's start (an import of torch, seconds) is the session's cost, not the test's
         # that happens to need it first: its deadline is paused meanwhile.
         self._pause_deadline = pause_deadline or contextlib.nullcontext
@@ -204,12 +224,13 @@ class Runner:
 
     def zygote(self) -> Zygote:
         """The zygote, (re)started when needed: a dead one is replaced, never reused."""
-        if self._zygote is None or not self._zygote.alive():
-            if self._zygote is not None:
-                self._zygote.close()
-            with self._pause_deadline():
-                self._zygote = Zygote(self._child_env())
-        return self._zygote
+        with self._lock:
+            if self._zygote is None or not self._zygote.alive():
+                if self._zygote is not None:
+                    self._zygote.close()
+                with self._pause_deadline():
+                    self._zygote = Zygote(self._child_env())
+            return self._zygote
 
     def start(
         self,
@@ -291,7 +312,7 @@ class Runner:
             code = child.mp_process.exitcode
         elif self._zygote is not None:
             self._zygote.poll()
-            code = self._zygote.exits.pop(child.pid, None)
+            code = self._zygote.take_exit(child.pid)
             if code is None and not self._zygote.alive():
                 code = -signal.SIGKILL  # the zygote died and took its children along
         if code is None:
@@ -331,6 +352,14 @@ class Runner:
         with contextlib.suppress(OSError), open(child.output_path, errors="replace") as out:
             return out.read()
         return ""
+
+    def forget(self, children: list[Child]) -> None:
+        """Remove the files of calls that are over (a long session makes thousands)."""
+        for child in children:
+            base = child.result_path[: -len(".result")]
+            for suffix in (".request", ".result", ".crash", ".out"):
+                with contextlib.suppress(OSError):
+                    os.unlink(base + suffix)
 
     def close(self) -> None:
         if self._zygote is not None:

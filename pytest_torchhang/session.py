@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from . import _progress, settings
+from . import _progress, deadline, settings
 
 # The guard's own modules (psutil, the diagnosis, the runner) are imported when a test is first
 # guarded: a session without a timeout never pays for them.
@@ -141,24 +141,34 @@ class GuardSession:
         current = self.current
         return current.take_error() if current is not None else None
 
-    def arm(self, item: pytest.Item, timeout_s: float, stall_s: float = 0.0) -> TestDeadline:
-        """Put ``item`` under a deadline ``timeout_s`` from now (or tighten the one it has),
-        and, with ``stall_s``, under stall detection: fail after that long without progress."""
+    def arm(
+        self,
+        item: pytest.Item,
+        timeout_s: float,
+        stall_s: float = 0.0,
+        source: deadline.Source = deadline.Source.TIMEOUT,
+    ) -> TestDeadline:
+        """Put ``item`` under a limit of ``timeout_s`` from now, from ``source`` (a test already
+        armed gets one more limit: the earliest due fires), and, with ``stall_s``, under stall
+        detection: fail after that long without progress."""
         watchdog = self.activate()
-        deadline_at = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
         held = item.stash.get(DEADLINE, None)
         if held is not None:
-            if held.tighten(deadline_at, timeout_s):
-                watchdog.arm(held)
+            held.feed(deadline.SetLimit(source, timeout_s))
+            held.target.timeout_s = held.state.timeout_s
+            watchdog.arm(held)
             return held
         from . import guard
         from .watchdog import TestDeadline
 
+        now = time.monotonic()
+        state = deadline.start(now, {source: timeout_s}, stall_s)
         target = guard.GuardTarget(
             test_id=item.nodeid,
-            timeout_s=timeout_s if timeout_s > 0 else stall_s,
+            timeout_s=state.timeout_s,
             root_pid=os.getpid(),
             dump_dir=self.dump_dir,
+            started=now,
             exclude=self.own_pids(start=False),  # started at activation; restarted on demand
             shm_since=time.time(),
             native=self.settings.native,
@@ -167,13 +177,14 @@ class GuardSession:
         worker = xdist_worker(item.config)
         if worker:
             target.root_role = f"pytest (xdist worker {worker})"
-        held = TestDeadline(target, deadline_at, threading.get_ident(), item=item)
+        held = TestDeadline(target, state, threading.get_ident(), item=item)
         if stall_s > 0:
-            held.stall_s, held.board = stall_s, self._progress_board()
+            held.board = self._progress_board()
         if self.settings.hunt_stress:
             os.environ[STRESS_ENV] = "1"
         item.stash[DEADLINE] = held
         self.current = held
+        held.feed(deadline.Tick())  # the model's first wake time
         watchdog.arm(held)
         return held
 
@@ -231,17 +242,26 @@ class GuardSession:
 
     @contextlib.contextmanager
     def paused_deadline(self) -> Iterator[None]:
-        """Stop the current test's clock meanwhile (the zygote's start is the session's cost)."""
+        """Stop the current test's clocks meanwhile (the zygote's start is the session's cost)."""
         held = self.current
         if held is None or self.watchdog is None:
             yield
             return
-        left = held.pause()
-        self.watchdog.arm(held)
+        self.pause(held)
         try:
             yield
         finally:
-            held.resume(left)
+            self.resume(held)
+
+    def pause(self, held: TestDeadline) -> None:
+        """Stop ``held``'s clocks (pauses nest: a debugger while the zygote starts)."""
+        held.feed(deadline.Pause())
+        if self.watchdog is not None:
+            self.watchdog.arm(held)
+
+    def resume(self, held: TestDeadline) -> None:
+        held.feed(deadline.Resume())
+        if self.watchdog is not None:
             self.watchdog.arm(held)
 
     def json_path(self, hang: HangReport, nodeid: str) -> str | None:

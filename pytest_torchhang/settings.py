@@ -119,6 +119,28 @@ def _hunt_runs(config: pytest.Config) -> int:
     return runs
 
 
+PYTEST_TIMEOUT_ENV = "PYTEST_TIMEOUT"
+
+
+def pytest_timeout_seconds(config: pytest.Config) -> float:
+    """pytest-timeout's session-wide timeout (``--timeout``, ``PYTEST_TIMEOUT``, ini ``timeout``),
+    read through public APIs in pytest-timeout's order (CLI > env > ini); 0 when unset, when
+    pytest-timeout is not installed or disabled, or when its value is not a number (pytest-timeout
+    reports that itself)."""
+    if not config.pluginmanager.has_plugin("timeout"):
+        return 0.0
+    value: object = config.getoption("timeout", None)
+    if value is None:
+        value = os.environ.get(PYTEST_TIMEOUT_ENV) or None
+    if value is None:
+        try:
+            value = config.getini("timeout") or None
+        except ValueError:  # pytest-timeout registered no ini key (an old or a stub version)
+            value = None
+    seconds = seconds_or_nan(value) if value is not None else 0.0
+    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class SessionSettings:
     """What the session was configured with, before any marker."""

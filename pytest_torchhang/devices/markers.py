@@ -233,11 +233,14 @@ class DevicePlugin:
         if inventory.fake or inventory.note:
             gpus += f" ({inventory.describe()})"
         session = settings.session_settings(config)
+        theirs = settings.pytest_timeout_seconds(config)
         timeout = (
             f"timeout {session.timeout:g}s (from {session.source})"
             if session.timeout > 0
             else "timeout off"
         )
+        if theirs > 0:  # taken over: the tree report and cleanup apply to it too
+            timeout += f", pytest-timeout's {theirs:g}s (whole-tree report)"
         available = "yes" if inventory.count else "no"
         return f"torch-hang: {torch_text}, CUDA available: {available}, {gpus}, {timeout}"
 

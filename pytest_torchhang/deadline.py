@@ -1,0 +1,444 @@
+"""The deadline model: every source of one test's deadline in, one decision out.
+
+Pure, in the manner of a sans-I/O protocol: no thread, no I/O and no clock of its own. The
+watchdog thread (``watchdog.py``) feeds it events with the time they happened and executes what
+it decides; the unit tests drive it through tables of event sequences.
+
+Sources of a deadline, all in one place, so that whichever is due first fires whatever the pair:
+
+- wall-clock limits: the plugin's timeout (option, ini, env, marker) and pytest-timeout's
+  (``--timeout``, ``@pytest.mark.timeout``), each a ``Limit``; the earliest due one decides;
+- the stall time: no progress for ``stall_s`` (progress is an event the shell feeds);
+- a fixture call's own timeout: the call acts on it itself (it captures and kills its children),
+  so the model only keeps the test's own fire from overlapping that capture;
+- the teardown grace: once the test has its ``HangError``, the rest of it gets ``grace_s``;
+- pauses (a debugger, the zygote importing torch): every clock stops meanwhile.
+
+States, and what moves them::
+
+    ARMED --a limit, the stall time or nothing-- FIRING --CaptureDone--> FIRED
+    FIRED --Delivered (the test has its HangError)--> DELIVERED
+    FIRED: INTERRUPT every INTERRUPT_EVERY_S while the test's own code runs, REKILL now and then
+    DELIVERED --the grace runs out--> FIRING (a second hang: in a later phase, or a note)
+    ARMED --CallEnded(hung=True): a fixture call raised its HangError--> DELIVERED
+    any state --Disarm--> DISARMED
+
+Only FIRED, while the test's own code runs (setup, call or teardown), allows an interrupt.
+Invariant: a decision without an action always has ``wake > now``: the shell never spins.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, replace
+from typing import TypeAlias
+
+#: While a fired test has not taken its HangError: interrupt it again this often ...
+INTERRUPT_EVERY_S = 1.0
+#: ... and kill its tree again every this many interrupts (it may have started new processes).
+REKILL_EVERY = 5
+#: At most this many kills of one tree per hang.
+MAX_KILLS = 3
+#: The test's own fire waits at most this long for a fixture call's capture in progress.
+CALL_CAPTURE_BOUND_S = 30.0
+
+INF = math.inf
+
+
+class Source(enum.Enum):
+    """Where a deadline comes from (its value is how messages name it)."""
+
+    TIMEOUT = "timeout"  # --torch-hang-timeout, its ini key and env variable, the marker
+    PYTEST_TIMEOUT = "pytest-timeout"  # --timeout, PYTEST_TIMEOUT, @pytest.mark.timeout
+    STALL = "stall"
+    FIXTURE_CALL = "fixture call"
+    GRACE = "teardown grace"
+
+
+class Phase(enum.Enum):
+    """Where one test's deadline stands."""
+
+    ARMED = "armed"
+    FIRING = "firing"
+    FIRED = "fired"
+    DELIVERED = "delivered"
+    DISARMED = "disarmed"
+
+
+class Action(enum.Enum):
+    """What the shell must do now."""
+
+    FIRE = "fire"  # capture the tree, kill it, then feed CaptureDone
+    INTERRUPT = "interrupt"  # make the test's thread raise its HangError
+    REKILL = "rekill"  # kill the tree again (it may have started new processes), then interrupt
+
+
+class Kind(enum.Enum):
+    """What a fire declares."""
+
+    HANG = "hang"
+    STALL = "stall"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A wall-clock limit: ``seconds`` long, due at ``due``."""
+
+    source: Source
+    seconds: float
+    due: float
+
+
+@dataclass(frozen=True)
+class Call:
+    """A fixture call in flight: it handles its own ``due`` itself."""
+
+    due: float
+    capturing_since: float = INF  # the call is capturing and killing its children
+
+
+# --- events ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The shell woke up (at the time it was told, or earlier): is anything due?"""
+
+
+@dataclass(frozen=True)
+class SetLimit:
+    """A wall-clock limit ``seconds`` from now; replaces an earlier one of the same source."""
+
+    source: Source
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ClearLimit:
+    """Lift the limit of ``source`` (pytest-timeout's func_only timer, after the call)."""
+
+    source: Source
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The tree made progress at ``at`` (the last beat on the board)."""
+
+    at: float
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Stop every clock (a debugger, the zygote importing torch); pauses nest."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Undo one Pause; when none is left, the clocks go on where they stopped."""
+
+
+@dataclass(frozen=True)
+class PhaseStarted:
+    """The test's own code (setup, call or teardown) runs: an interrupt may land in it."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class PhaseEnded:
+    """pytest's own code runs: no interrupt may land."""
+
+
+@dataclass(frozen=True)
+class CallStarted:
+    """A fixture call ``call`` waits for its children, ``seconds`` at most."""
+
+    call: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CallCapturing:
+    """The fixture call's own deadline passed: it captures and kills its children."""
+
+    call: int
+
+
+@dataclass(frozen=True)
+class CallEnded:
+    """The fixture call is over; ``hung``: it raises its HangError in the test."""
+
+    call: int
+    hung: bool = False
+
+
+@dataclass(frozen=True)
+class CaptureDone:
+    """The fire's capture and kill are over: from now on the test is interrupted."""
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """The test has its HangError (raised, or attached to a pytest report)."""
+
+
+@dataclass(frozen=True)
+class Disarm:
+    """The test is over (or a debugger took over for good): nothing fires any more."""
+
+
+Event: TypeAlias = (
+    Tick
+    | SetLimit
+    | ClearLimit
+    | Progress
+    | Pause
+    | Resume
+    | PhaseStarted
+    | PhaseEnded
+    | CallStarted
+    | CallCapturing
+    | CallEnded
+    | CaptureDone
+    | Delivered
+    | Disarm
+)
+
+
+# --- state and decision ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do now (``action``, with the ``kind`` and ``source`` of a fire) and when to look
+    again (``wake``; always later than now when there is no action)."""
+
+    action: Action | None
+    wake: float
+    kind: Kind | None = None
+    source: Source | None = None
+
+
+@dataclass(frozen=True)
+class State:
+    """One test's deadline: every source, and where the test stands."""
+
+    started: float
+    limits: tuple[Limit, ...] = ()
+    stall_s: float = 0.0
+    progress_at: float = 0.0  # the stall clock counts from here (start, resume, last beat)
+    grace_s: float = 0.0
+    phase: Phase = Phase.ARMED
+    running: bool = False  # the test's own code runs now
+    paused: int = 0  # depth of nested pauses
+    paused_at: float = INF
+    calls: tuple[tuple[int, Call], ...] = ()
+    grace_due: float = INF
+    fire_kind: Kind | None = None  # of the fire in progress or last made
+    fire_source: Source | None = None
+    fires: int = 0
+    interrupts: int = 0
+    kills: int = 0
+    next_interrupt: float = INF
+    history: tuple[str, ...] = field(default=(), compare=False)  # transitions, for messages
+
+    @property
+    def timeout_s(self) -> float:
+        """The test's bound as users set it: its tightest limit, or its stall time."""
+        return min((limit.seconds for limit in self.limits), default=self.stall_s)
+
+    @property
+    def stall_due(self) -> float:
+        return self.progress_at + self.stall_s if self.stall_s > 0 else INF
+
+
+def start(
+    now: float, limits: dict[Source, float], stall_s: float = 0.0, grace_s: float | None = None
+) -> State:
+    """A test armed at ``now`` with ``limits`` (seconds per source; 0 or less: none) and stall
+    detection after ``stall_s`` without progress. The grace defaults to the test's bound."""
+    chosen = tuple(
+        Limit(source, seconds, now + seconds) for source, seconds in limits.items() if seconds > 0
+    )
+    state = State(started=now, limits=chosen, stall_s=max(stall_s, 0.0), progress_at=now)
+    return replace(state, grace_s=state.timeout_s if grace_s is None else grace_s)
+
+
+def _due(state: State) -> tuple[float, Kind, Source] | None:
+    """The earliest due event of an armed test: a limit (a hang) or the stall time. On a tie the
+    limit wins: the user's hard bound is the plainer explanation."""
+    best: tuple[float, Kind, Source] | None = None
+    for limit in state.limits:
+        if best is None or limit.due < best[0]:
+            best = (limit.due, Kind.HANG, limit.source)
+    if state.stall_s > 0 and (best is None or state.stall_due < best[0]):
+        best = (state.stall_due, Kind.STALL, Source.STALL)
+    return best
+
+
+def _call_capture_ends(state: State) -> float:
+    """While a fixture call captures its children, the test's own fire waits until then."""
+    since = min((call.capturing_since for _, call in state.calls), default=INF)
+    return since + CALL_CAPTURE_BOUND_S if since < INF else -INF
+
+
+def _note(state: State, now: float, text: str) -> tuple[str, ...]:
+    return (*state.history[-15:], f"{now - state.started:.3f}s {text}")
+
+
+def _fire(state: State, now: float, kind: Kind, source: Source) -> tuple[State, Decision]:
+    fired = replace(
+        state,
+        phase=Phase.FIRING,
+        fire_kind=kind,
+        fire_source=source,
+        fires=state.fires + 1,
+        history=_note(state, now, f"fire {kind.value} ({source.value})"),
+    )
+    return fired, Decision(Action.FIRE, INF, kind, source)
+
+
+def _tick(state: State, now: float) -> tuple[State, Decision]:
+    phase = state.phase
+    if phase in (Phase.DISARMED, Phase.FIRING):
+        return state, Decision(None, INF)  # over; or the shell is at work on a fire
+    if phase is Phase.FIRED:
+        if now < state.next_interrupt:
+            return state, Decision(None, state.next_interrupt)
+        interrupts = state.interrupts + 1
+        state = replace(state, interrupts=interrupts, next_interrupt=now + INTERRUPT_EVERY_S)
+        if interrupts % REKILL_EVERY == 0 and state.kills < MAX_KILLS:
+            state = replace(state, kills=state.kills + 1)
+            return state, Decision(Action.REKILL, state.next_interrupt)
+        action = Action.INTERRUPT if state.running else None
+        return state, Decision(action, state.next_interrupt)
+    if state.paused:
+        return state, Decision(None, INF)
+    if phase is Phase.DELIVERED:
+        if now >= state.grace_due:
+            return _fire(state, now, Kind.HANG, Source.GRACE)
+        return state, Decision(None, state.grace_due)
+    due = _due(state)  # ARMED
+    if due is None:
+        return state, Decision(None, INF)
+    at, kind, source = due
+    if now < at:
+        return state, Decision(None, at)
+    held_until = _call_capture_ends(state)
+    if now < held_until:  # a fixture call is capturing its children: never overlap it
+        return state, Decision(None, held_until)
+    return _fire(state, now, kind, source)
+
+
+def decide(state: State, event: Event, now: float) -> tuple[State, Decision]:
+    """Apply ``event`` (which happened at ``now``) and say what is due now, and when to look
+    again. The only function that changes a deadline."""
+    state = _apply(state, event, now)
+    return _tick(state, now)
+
+
+def _apply(state: State, event: Event, now: float) -> State:
+    armed = state.phase is Phase.ARMED
+    if isinstance(event, Tick):
+        return state
+    if isinstance(event, SetLimit):
+        if not armed or event.seconds <= 0:
+            return state
+        kept = tuple(limit for limit in state.limits if limit.source is not event.source)
+        limit = Limit(event.source, event.seconds, now + event.seconds)
+        state = replace(state, limits=(*kept, limit))
+        if state.grace_s <= 0 or event.seconds < state.grace_s:
+            state = replace(state, grace_s=event.seconds)
+        return state
+    if isinstance(event, ClearLimit):
+        if not armed:
+            return state
+        return replace(state, limits=tuple(x for x in state.limits if x.source is not event.source))
+    if isinstance(event, Progress):
+        return replace(state, progress_at=max(state.progress_at, event.at))
+    if isinstance(event, Pause):
+        if state.paused:
+            return replace(state, paused=state.paused + 1)
+        return replace(state, paused=1, paused_at=now)
+    if isinstance(event, Resume):
+        if state.paused == 0:
+            return state
+        if state.paused > 1:
+            return replace(state, paused=state.paused - 1)
+        return _resumed(state, now)
+    if isinstance(event, PhaseStarted):
+        return replace(state, running=True)
+    if isinstance(event, PhaseEnded):
+        return replace(state, running=False)
+    if isinstance(event, CallStarted):
+        calls = (*state.calls, (event.call, Call(now + event.seconds)))
+        return replace(state, calls=calls)
+    if isinstance(event, CallCapturing):
+        calls = tuple(
+            (key, replace(call, capturing_since=now) if key == event.call else call)
+            for key, call in state.calls
+        )
+        return replace(state, calls=calls)
+    if isinstance(event, CallEnded):
+        state = replace(state, calls=tuple(c for c in state.calls if c[0] != event.call))
+        if event.hung and armed:
+            # The call raises its HangError in the test: the test has its report, and the rest
+            # of it runs under the grace, exactly as after a fire of its own.
+            return _delivered(state, now, "a fixture call hung")
+        return state
+    if isinstance(event, CaptureDone):
+        if state.phase is not Phase.FIRING:
+            return state
+        return replace(
+            state,
+            phase=Phase.FIRED,
+            interrupts=0,
+            kills=state.kills + 1,
+            next_interrupt=now,  # interrupt at once
+            history=_note(state, now, "captured"),
+        )
+    if isinstance(event, Delivered):
+        if state.phase is not Phase.FIRED:
+            return state
+        return _delivered(state, now, "delivered")
+    if isinstance(event, Disarm):
+        return replace(state, phase=Phase.DISARMED, history=_note(state, now, "disarmed"))
+    raise TypeError(f"not a deadline event: {event!r}")
+
+
+def _resumed(state: State, now: float) -> State:
+    """Every clock moves on by the time it stood still; the stall clock starts again."""
+    stood = max(now - state.paused_at, 0.0)
+    limits = tuple(replace(limit, due=limit.due + stood) for limit in state.limits)
+    calls = tuple((key, replace(call, due=call.due + stood)) for key, call in state.calls)
+    grace_due = state.grace_due + stood if state.grace_due < INF else INF
+    return replace(
+        state,
+        paused=0,
+        paused_at=INF,
+        limits=limits,
+        calls=calls,
+        grace_due=grace_due,
+        progress_at=max(state.progress_at, now),
+    )
+
+
+def _delivered(state: State, now: float, why: str) -> State:
+    return replace(
+        state,
+        phase=Phase.DELIVERED,
+        grace_due=now + state.grace_s,
+        history=_note(state, now, why),
+    )
+
+
+def monitor_due(state: State, wake: float) -> float | None:
+    """The time by which the watchdog must have acted, for the monitor (the GIL backstop):
+    ``wake`` while armed or in the grace, INF while paused, None while firing or fired (the
+    monitor then counts from the fire), -1 once disarmed."""
+    if state.phase is Phase.DISARMED:
+        return -1.0
+    if state.phase in (Phase.FIRING, Phase.FIRED):
+        return None
+    return INF if state.paused else wake
