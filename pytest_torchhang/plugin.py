@@ -325,6 +325,15 @@ def pytest_terminal_summary(
     if os.environ.get("GITHUB_ACTIONS") == "true":
         for report in hangs:  # one annotation per hang, on the test's line
             write(testreport.github_annotation(report))
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary and not hasattr(config, "workerinput"):  # the controller writes, once per hang
+        from . import views
+
+        for report in hangs:
+            hang = testreport.hang_model(report)
+            problem = views.append_job_summary(summary, hang) if hang is not None else None
+            if problem:
+                write(f"torch-hang: {problem}")
 
 
 @pytest.fixture

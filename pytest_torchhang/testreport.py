@@ -15,6 +15,10 @@ from .report import HangReport
 
 HANG_PROPERTY = "torch_hang"
 HEADLINE_PROPERTY = "torch_hang_headline"
+#: The report's attribute holding the hang as its JSON document: pytest-xdist sends a report's
+#: attributes to the controller, which rebuilds the model from it (the job summary's graph).
+#: Not a section (the terminal prints sections) nor a property (JUnit XML writes properties).
+MODEL_ATTRIBUTE = "torch_hang_json"
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ def mark_hang(
         properties.append(("torch_hang_report", json_path))
     report.longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
     report.user_properties.extend(properties)
+    setattr(report, MODEL_ATTRIBUTE, json.dumps(hang.to_json(), default=str))
     if report.when != "teardown":
         # JUnit XML writes the properties of the teardown report, a copy of the item's
         item.user_properties.extend(properties)
@@ -86,6 +91,17 @@ def mark_hang(
 
 def is_hang(report: pytest.TestReport | pytest.CollectReport) -> bool:
     return any(k == HANG_PROPERTY for k, _ in getattr(report, "user_properties", ()))
+
+
+def hang_model(report: pytest.TestReport) -> HangReport | None:
+    """The hang a report carries, rebuilt (on the xdist controller too); None if it has none."""
+    doc = getattr(report, MODEL_ATTRIBUTE, None)
+    if not isinstance(doc, str):
+        return None
+    try:
+        return HangReport.from_json(json.loads(doc))
+    except (ValueError, TypeError):
+        return None
 
 
 def headline(report: pytest.TestReport) -> str:
