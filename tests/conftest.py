@@ -101,8 +101,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.startswith(NEEDS_TORCH):
             item.add_marker(pytest.mark.needs_torch)
-            if not have_torch:
-                item.add_marker(pytest.mark.skip(reason="needs torch, which is not installed"))
+        if not have_torch and item.get_closest_marker("needs_torch") is not None:
+            item.add_marker(pytest.mark.skip(reason="needs torch, which is not installed"))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
