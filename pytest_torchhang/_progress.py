@@ -2,10 +2,14 @@
 
 Standard library only and cheap to import: the injected start-up hook loads it in children when
 ``PYTEST_TORCH_HANG_PROGRESS`` names a board. A beat is a few stores into a ``MAP_SHARED`` page
-(no lock, no system call): the last beat's time, kind and numbers, and per kind a count with its
-first and last time. Concurrent beats may interleave their numbers; a beat's time is stored last
-of all, so a reader never sees progress that did not happen. Without a board every beat returns
-at once, and nothing is patched: stall detection off costs nothing.
+(no lock, no system call): per kind a count with its first and last time, then the last beat
+(kind, pid, number and epoch packed in one 64-bit word, so it is always one beat's), then its
+time, stored last of all, so a reader never sees progress that did not happen. Concurrent
+beats of one kind may lose a count (a lower bound, never more than were made). Each test gets a
+board file of its own (:func:`new_board`): a process an earlier test left running beats into
+that test's board, never into the next one's, and no file is ever shrunk while mapped (a
+writer would die of SIGBUS). Without a board every beat returns at once, and nothing is
+patched: stall detection off costs nothing.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ import importlib.abc
 import importlib.machinery
 import mmap
 import os
+import struct
 import sys
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
+
+from ._hook import child_note
 
 #: Names the board file of the guarded test; set in the test's environment while it runs.
 PROGRESS_ENV = "PYTEST_TORCH_HANG_PROGRESS"
@@ -27,11 +35,21 @@ BOARD_BYTES = 4096
 #: Kinds of progress, in board order.
 KINDS = ("DataLoader batch", "optimizer step", "collective", "progress()")
 DATALOADER, OPTIMIZER, COLLECTIVE, EXPLICIT = range(len(KINDS))
-# 8-byte slots: 0 last time, 1 last kind + 1, 2 last pid, 3 last number, 4 last epoch,
-# 5 note length; per kind k from slot 8: count, first time, last time. The note from byte 512.
+# The page as signed 64-bit words: 0 the last beat's time (monotonic ns, 0: none yet), 1 the
+# last beat (below); per kind k from word 8: count, first time, last time. From byte 512 the
+# last note: its length and CRC-32 (two 32-bit words), then its bytes, written in one copy.
 _KIND_BASE = 8
-_NOTE_AT, _NOTE_BYTES = 512, 256
 _OPTIMIZER_BASE = _KIND_BASE + 3 * OPTIMIZER
+_NOTE_AT, _NOTE_BYTES = 512, 256
+_NOTE_HEADER = struct.Struct("<II")
+_NOTE_END = _NOTE_AT + _NOTE_HEADER.size + _NOTE_BYTES
+# The last beat, one word (one store, so never torn): bits 0-2 kind + 1, 3-24 pid (Linux pids
+# are below 2**22), 25-36 epoch, 37-62 number; epoch and number wrap past their widths. The
+# hot paths below spell these shifts and masks as literals (a global lookup costs more).
+_PID_SHIFT, _EPOCH_SHIFT, _NUMBER_SHIFT = 3, 25, 37
+_PID_MASK, _EPOCH_MASK, _NUMBER_MASK = (1 << 22) - 1, (1 << 12) - 1, (1 << 26) - 1
+#: A note that keeps changing while it is read is given up after this many reads.
+_NOTE_READS = 5
 
 _COLLECTIVES = (
     "all_reduce",
@@ -59,66 +77,121 @@ class _Board:
 
     path: str | None = None
     page: mmap.mmap | None = None
-    floats: Any = None  # memoryview of the page as doubles
-    ints: Any = None  # the same page as signed 64-bit integers
-    pid = 0
+    words: Any = None  # the page as signed 64-bit integers; set last, cleared first
+    tag = 0  # this process's pid, in its place in the last-beat word
     installed = False
+    #: What could not be patched here, said again by every fork child (its own report entry)
+    failures: list[str] = []  # noqa: RUF012 - one list per process, on purpose
 
 
 def attach(path: str | None = None) -> bool:
-    """Use the board at ``path`` (default: from the environment); False when there is none."""
+    """Use the board at ``path`` (default: from the environment); False when there is none.
+
+    Cheap when ``path`` is the board in use; another path (the next test's) is mapped instead.
+    """
     path = path or os.environ.get(PROGRESS_ENV)
     if not path:
         return False
-    if path == _Board.path and _Board.page is not None:
+    if path == _Board.path and _Board.words is not None:
         return True
     try:
         fd = os.open(path, os.O_RDWR)
-    except OSError:
+    except FileNotFoundError:
+        return False  # its test is over: this process was left running after it
+    except OSError as exc:
+        _failed(f"could not open the progress board {path} ({exc})", "its beats")
         return False
     try:
         page = mmap.mmap(fd, BOARD_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        _failed(f"could not map the progress board {path} ({exc})", "its beats")
         return False
     finally:
         os.close(fd)
-    view = memoryview(page)
+    _Board.tag = os.getpid() << _PID_SHIFT
     _Board.path, _Board.page = path, page
-    _Board.floats, _Board.ints = view.cast("d"), view.cast("q")
-    _Board.pid = os.getpid()
+    _Board.words = memoryview(page).cast("q")  # last: a beat sees a whole board or none
     return True
 
 
+def detach() -> None:
+    """Beat into no board from now on; a beat under way in another thread ends on the old page
+    (it stays mapped until nothing refers to it)."""
+    _Board.words = None
+    _Board.page = None
+    _Board.path = None
+
+
+def board_path(dump_dir: str, serial: int) -> str:
+    """The board file of this pytest process's ``serial``-th guarded test."""
+    return os.path.join(dump_dir, f"progress-{os.getpid()}-{serial}")
+
+
+def new_board(dump_dir: str, serial: int) -> Reader:
+    """A fresh board for the test about to run: made, named in the environment, and beaten into
+    by this process too (a test iterates its DataLoader here). Call :func:`end_board` after it.
+
+    A new file each test: a process an earlier test left running keeps beating into that test's
+    board, so it cannot hide this test's stall, and no file is ever shrunk while mapped.
+    """
+    path = board_path(dump_dir, serial)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # an earlier process's with this pid: a new inode, never truncated
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, BOARD_BYTES)  # zeros: no progress; nobody can have mapped it yet
+    finally:
+        os.close(fd)
+    reader = Reader(path)
+    os.environ[PROGRESS_ENV] = path
+    install()
+    return reader
+
+
+def end_board(reader: Reader) -> None:
+    """The test of ``reader``'s board is over: the board leaves the environment, this process
+    and the disk (processes that still map it keep a valid page); ``reader`` keeps its last
+    state for a report made later."""
+    if os.environ.get(PROGRESS_ENV) == reader.path:
+        del os.environ[PROGRESS_ENV]
+    if _Board.path == reader.path:
+        detach()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(reader.path)
+    reader.close()
+
+
 def create(path: str) -> None:
-    """Make (or wipe) a board file: a fresh test starts with no progress."""
+    """Make a board file, or wipe one in place (superseded by :func:`new_board`).
+
+    Never shrinks the file: a process writing to a mapping of it while it is truncated dies of
+    SIGBUS.
+    """
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.ftruncate(fd, 0)
-        os.ftruncate(fd, BOARD_BYTES)
+        if os.fstat(fd).st_size < BOARD_BYTES:
+            os.ftruncate(fd, BOARD_BYTES)
+        os.pwrite(fd, bytes(BOARD_BYTES), 0)
     finally:
         os.close(fd)
 
 
 def beat(
-    kind: int, number: int = 0, epoch: int = 0, _now: Callable[[], float] = time.monotonic
+    kind: int, number: int = 0, epoch: int = 0, _now: Callable[[], int] = time.monotonic_ns
 ) -> None:
     """Record one unit of progress of ``kind`` (the hot path: a handful of stores)."""
-    floats = _Board.floats
-    if floats is None:
+    words = _Board.words
+    if words is None:
         return
-    ints = _Board.ints
     now = _now()
     base = _KIND_BASE + 3 * kind
-    count = ints[base] + 1
-    ints[base] = count
+    count = words[base] + 1
+    words[base] = count
     if count == 1:
-        floats[base + 1] = now
-    floats[base + 2] = now
-    ints[1] = kind + 1
-    ints[2] = _Board.pid
-    ints[3] = number or count
-    ints[4] = epoch
-    floats[0] = now  # last: a reader that sees this time sees a beat that happened
+        words[base + 1] = now
+    words[base + 2] = now
+    words[1] = ((number or count) & 0x3FFFFFF) << 37 | (epoch & 0xFFF) << 25 | _Board.tag | kind + 1
+    words[0] = now  # last: a reader that sees this time sees a beat that happened
 
 
 def progress(note: str | None = None) -> None:
@@ -129,17 +202,34 @@ def progress(note: str | None = None) -> None:
     as the last progress seen. Costs about a microsecond; does nothing where no stall detection
     is armed.
     """
-    if _Board.floats is None and not attach():
+    if _Board.words is None and not attach():
         return
-    if note is not None and _Board.page is not None:
+    page = _Board.page
+    if note is not None and page is not None:
         data = note.encode("utf-8", "replace")[:_NOTE_BYTES]
-        _Board.page[_NOTE_AT : _NOTE_AT + _NOTE_BYTES] = data.ljust(_NOTE_BYTES, b"\0")
-        _Board.ints[5] = len(data)
+        # header and text in one copy: whole to the other threads here (the GIL); a reader
+        # checks the CRC against another process writing at the same moment
+        record = _NOTE_HEADER.pack(len(data), zlib.crc32(data)) + data
+        page[_NOTE_AT : _NOTE_AT + len(record)] = record
     beat(EXPLICIT)
 
 
 def _after_fork() -> None:
-    _Board.pid = os.getpid()
+    _Board.tag = os.getpid() << _PID_SHIFT
+    for text in _Board.failures:  # this process's report entry must say it too
+        child_note(text)
+
+
+def _failed(what: str, counted: str) -> None:
+    """Say, in the report, that ``counted`` will not count as progress in this process."""
+    text = (
+        f"pytest-torchhang {what}: {counted} do not count as progress in this process, so a "
+        "stall may be declared while they go on"
+    )
+    if text in _Board.failures:  # progress() retries a board it could not open: say it once
+        return
+    _Board.failures.append(text)
+    child_note(text)
 
 
 # --- reading the board (the plugin's side) ---------------------------------------------------
@@ -148,16 +238,17 @@ def _after_fork() -> None:
 class Snapshot:
     """What a board says at one moment."""
 
-    def __init__(self, page: Sequence[float], counts: Sequence[int], note: str) -> None:
-        self.last = page[0]  # monotonic time of the last beat; 0.0: none yet
-        self.kind = counts[1] - 1  # -1: none yet
-        self.pid = counts[2]
-        self.number = counts[3]
-        self.epoch = counts[4]
+    def __init__(self, words: Sequence[int], note: str = "") -> None:
+        self.last = words[0] / 1e9  # monotonic time of the last beat; 0.0: none yet
+        record = words[1]
+        self.kind = (record & 7) - 1  # -1: none yet
+        self.pid = record >> _PID_SHIFT & _PID_MASK
+        self.epoch = record >> _EPOCH_SHIFT & _EPOCH_MASK
+        self.number = record >> _NUMBER_SHIFT & _NUMBER_MASK
         self.note = note
-        self.counts = [counts[_KIND_BASE + 3 * k] for k in range(len(KINDS))]
-        self.first = [page[_KIND_BASE + 3 * k + 1] for k in range(len(KINDS))]
-        self.latest = [page[_KIND_BASE + 3 * k + 2] for k in range(len(KINDS))]
+        self.counts = [words[_KIND_BASE + 3 * k] for k in range(len(KINDS))]
+        self.first = [words[_KIND_BASE + 3 * k + 1] / 1e9 for k in range(len(KINDS))]
+        self.latest = [words[_KIND_BASE + 3 * k + 2] / 1e9 for k in range(len(KINDS))]
 
     def rate(self, kind: int) -> float | None:
         """Beats per second of ``kind`` between its first and its last beat."""
@@ -166,7 +257,7 @@ class Snapshot:
 
     def describe_last(self) -> str:
         """``DataLoader batch 812 of epoch 3``, ``progress() 'epoch 3'``, ..."""
-        if self.kind < 0:
+        if not 0 <= self.kind < len(KINDS):
             return ""
         text = f"{KINDS[self.kind]} {self.number}"
         if self.kind == DATALOADER and self.epoch:
@@ -176,55 +267,83 @@ class Snapshot:
         return f"{text} (pid {self.pid})"
 
 
+_NO_PROGRESS = Snapshot([0] * (BOARD_BYTES // 8))
+
+
+def _read_note(page: mmap.mmap) -> str:
+    """The last note, whole: a copy that another process was writing into is read again."""
+    for _ in range(_NOTE_READS):
+        record = page[_NOTE_AT:_NOTE_END]
+        length, crc = _NOTE_HEADER.unpack_from(record)
+        data = record[_NOTE_HEADER.size : _NOTE_HEADER.size + length]
+        if length <= _NOTE_BYTES and zlib.crc32(data) == crc:
+            return data.decode("utf-8", "replace")
+    return ""  # rewritten all the while: say no note rather than a mixed one
+
+
 class Reader:
     """The plugin's read-only view of one board file."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         fd = os.open(path, os.O_RDONLY)
         try:
-            self._page = mmap.mmap(fd, BOARD_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+            page = mmap.mmap(fd, BOARD_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
-        view = memoryview(self._page)
-        self._floats, self._ints = view.cast("d"), view.cast("q")
+        # one attribute, so a read in the watchdog's thread and close() in another never mix
+        self._view: tuple[mmap.mmap, Any] | None = (page, memoryview(page).cast("q"))
+        self._final = _NO_PROGRESS
 
     def last(self) -> float:
         """Monotonic time of the last beat, 0.0 when there was none."""
-        return float(self._floats[0])
+        view = self._view
+        return view[1][0] / 1e9 if view is not None else self._final.last
 
     def snapshot(self) -> Snapshot:
-        length = max(0, min(int(self._ints[5]), _NOTE_BYTES))
-        note = bytes(self._page[_NOTE_AT : _NOTE_AT + length]).decode("utf-8", "replace")
-        return Snapshot(self._floats.tolist(), self._ints.tolist(), note)
+        """Everything the board says now (after :meth:`close`: what it said then)."""
+        view = self._view
+        if view is None:
+            return self._final
+        page, words = view
+        # word 0 (the last time) is read first: what a beat stored before it is there by then
+        return Snapshot(words.tolist(), _read_note(page))
+
+    def close(self) -> None:
+        """Keep what the board says now and let its mapping go once no read uses it."""
+        if self._view is not None:
+            self._final = self.snapshot()
+            self._view = None
 
 
 # --- automatic beats: DataLoader batches, optimizer steps, collectives -------------------------
 
 
 def _patch_dataloader(module: ModuleType) -> None:
-    iterator = getattr(module, "_BaseDataLoaderIter", None)
-    if iterator is None or getattr(iterator, "_torchhang_beats", False):
+    iterator = module._BaseDataLoaderIter  # AttributeError: a torch without it, said in the report
+    if getattr(iterator, "_torchhang_beats", False):
         return
     next_batch = iterator.__next__
     reset = iterator._reset
 
-    def __next__(self: Any, _now: Callable[[], float] = time.monotonic) -> Any:
+    def __next__(self: Any, _now: Callable[[], int] = time.monotonic_ns) -> Any:
         data = next_batch(self)
         # beat(DATALOADER, ...), inlined: this runs for every batch of every loader of the tree
-        floats = _Board.floats
-        if floats is not None:
-            ints = _Board.ints
+        words = _Board.words
+        if words is not None:
             now = _now()
-            count = ints[_KIND_BASE] + 1
-            ints[_KIND_BASE] = count
+            count = words[8] + 1  # _KIND_BASE + 3 * DATALOADER
+            words[8] = count
             if count == 1:
-                floats[_KIND_BASE + 1] = now
-            floats[_KIND_BASE + 2] = now
-            ints[1] = DATALOADER + 1
-            ints[2] = _Board.pid
-            ints[3] = self._num_yielded
-            ints[4] = getattr(self, "_torchhang_epoch", 0)
-            floats[0] = now
+                words[9] = now
+            words[10] = now
+            words[1] = (
+                (self._num_yielded & 0x3FFFFFF) << 37
+                | (getattr(self, "_torchhang_epoch", 0) & 0xFFF) << 25
+                | _Board.tag
+                | 1  # DATALOADER + 1
+            )
+            words[0] = now
         return data
 
     def _reset(self: Any, loader: Any, *args: Any, **kwargs: Any) -> Any:
@@ -239,30 +358,25 @@ def _patch_dataloader(module: ModuleType) -> None:
 
 
 def _optimizer_step(
-    optimizer: Any, args: Any, kwargs: Any, _now: Callable[[], float] = time.monotonic
+    optimizer: Any, args: Any, kwargs: Any, _now: Callable[[], int] = time.monotonic_ns
 ) -> None:
     # beat(OPTIMIZER), inlined: this runs after every optimizer step of the tree
-    floats = _Board.floats
-    if floats is None:
+    words = _Board.words
+    if words is None:
         return
-    ints = _Board.ints
     now = _now()
-    count = ints[_OPTIMIZER_BASE] + 1
-    ints[_OPTIMIZER_BASE] = count
+    count = words[11] + 1  # _OPTIMIZER_BASE
+    words[11] = count
     if count == 1:
-        floats[_OPTIMIZER_BASE + 1] = now
-    floats[_OPTIMIZER_BASE + 2] = now
-    ints[1] = OPTIMIZER + 1
-    ints[2] = _Board.pid
-    ints[3] = count
-    ints[4] = 0
-    floats[0] = now
+        words[12] = now
+    words[13] = now
+    words[1] = (count & 0x3FFFFFF) << 37 | _Board.tag | 2  # OPTIMIZER + 1
+    words[0] = now
 
 
 def _patch_optimizer(module: ModuleType) -> None:
-    register = getattr(module, "register_optimizer_step_post_hook", None)
-    if register is not None and not getattr(module, "_torchhang_beats", False):
-        register(_optimizer_step)
+    if not getattr(module, "_torchhang_beats", False):
+        module.register_optimizer_step_post_hook(_optimizer_step)
         module._torchhang_beats = True  # type: ignore[attr-defined]
 
 
@@ -283,28 +397,41 @@ def _patch_collectives(module: ModuleType) -> None:
     if getattr(module, "_torchhang_beats", False):
         return
     package = sys.modules.get("torch.distributed")
+    found = 0
     for name in _COLLECTIVES:
         original = getattr(module, name, None)
         if original is None:
-            continue
+            continue  # an older torch may lack a few
+        found += 1
         wrapped = _beating(original)
         setattr(module, name, wrapped)
         if package is not None and getattr(package, name, None) is original:
             setattr(package, name, wrapped)
     module._torchhang_beats = True  # type: ignore[attr-defined]
+    if not found:
+        raise AttributeError(f"none of {', '.join(_COLLECTIVES[:3])}, ... found")
 
 
-_PATCHES: dict[str, Callable[[ModuleType], None]] = {
-    "torch.utils.data.dataloader": _patch_dataloader,
-    "torch.optim.optimizer": _patch_optimizer,
-    "torch.distributed.distributed_c10d": _patch_collectives,
+#: Module -> its patch and what goes uncounted when the patch fails.
+_PATCHES: dict[str, tuple[Callable[[ModuleType], None], str]] = {
+    "torch.utils.data.dataloader": (_patch_dataloader, "DataLoader batches"),
+    "torch.optim.optimizer": (_patch_optimizer, "optimizer steps"),
+    "torch.distributed.distributed_c10d": (_patch_collectives, "collectives"),
 }
 
 
+def _apply(name: str, module: ModuleType) -> None:
+    patch, counted = _PATCHES[name]
+    try:
+        patch(module)
+    except Exception as exc:  # progress beats must never break an import: the report says it
+        _failed(f"could not patch {name} ({type(exc).__name__}: {exc})", counted)
+
+
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]) -> None:
+    def __init__(self, loader: Any, name: str) -> None:
         self._loader = loader
-        self._patch = patch
+        self._name = name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         create = getattr(self._loader, "create_module", None)
@@ -312,8 +439,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        with contextlib.suppress(Exception):  # progress beats must never break an import
-            self._patch(module)
+        _apply(self._name, module)
 
 
 class _PatchingFinder(importlib.abc.MetaPathFinder):
@@ -322,15 +448,14 @@ class _PatchingFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        patch = _PATCHES.get(name)
-        if patch is None:
+        if name not in _PATCHES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, patch)
+                spec.loader = _PatchingLoader(spec.loader, name)
                 return spec
         return None
 
@@ -338,7 +463,8 @@ class _PatchingFinder(importlib.abc.MetaPathFinder):
 def install() -> bool:
     """Attach the board and beat on batches, steps and collectives in this process (idempotent).
 
-    Modules already imported are patched now, the others when they are first imported.
+    Modules already imported are patched now, the others when they are first imported. A patch
+    that fails leaves a note for the report (a stall there may be a false one), never an error.
     """
     if not attach():
         return False
@@ -346,10 +472,9 @@ def install() -> bool:
         return True
     _Board.installed = True
     os.register_at_fork(after_in_child=_after_fork)
-    for name, patch in _PATCHES.items():
+    for name in _PATCHES:
         module = sys.modules.get(name)
         if module is not None:
-            with contextlib.suppress(Exception):
-                patch(module)
+            _apply(name, module)
     sys.meta_path.insert(0, _PatchingFinder())
     return True
