@@ -180,3 +180,53 @@ def test_the_marker_sets_and_unsets_the_stall_time(guarded: GuardedRunner) -> No
     session.result.assert_outcomes(passed=1, failed=1)
     headline = assert_stall(session, "test_marker_stall")
     assert "no progress at all since the test began" in headline, headline
+
+
+LEFT_BEATING = """
+import multiprocessing
+import os
+import time
+
+import pytest_torchhang
+
+HEARTBEAT = os.path.abspath("heartbeat")
+
+
+def beat_for_a_minute():
+    fd = os.open(HEARTBEAT, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for _ in range(600):  # far past the next test's stall time; the session kills it first
+        pytest_torchhang.progress("left behind by the first test")
+        os.write(fd, b".")
+        time.sleep(0.1)
+
+
+def test_leaves_a_process_beating():
+    multiprocessing.get_context("fork").Process(target=beat_for_a_minute, daemon=True).start()
+    deadline = time.monotonic() + 20
+    while not (os.path.exists(HEARTBEAT) and os.path.getsize(HEARTBEAT)):
+        assert time.monotonic() < deadline, "the child never beat"
+        time.sleep(0.01)
+
+
+def test_stalls_while_that_process_beats():
+    seen_at_start = os.path.getsize(HEARTBEAT)
+    for _ in range(150):  # 15 s: the stall time (3 s) ends it long before
+        time.sleep(0.1)
+        with open("beats_during_the_second_test", "w") as out:
+            out.write(str(os.path.getsize(HEARTBEAT) - seen_at_start))
+"""
+
+
+def test_a_process_left_beating_by_an_earlier_test_does_not_hide_a_stall(
+    guarded: GuardedRunner,
+) -> None:
+    guarded.pytester.makepyfile(test_left_beating=LEFT_BEATING)
+    session = guarded.run("-p", "no:randomly", "--torch-hang-stall=3", timeout=60)
+    # the leftover beat all through the second test: a stall it hid would let that test pass
+    beats = int((guarded.pytester.path / "beats_during_the_second_test").read_text())
+    assert beats >= 5, beats
+    session.result.assert_outcomes(passed=1, failed=1)
+    headline = assert_stall(session, "test_stalls_while_that_process_beats")
+    assert "no progress at all since the test began" in headline, headline
+    assert session.wall_s < 40, session.wall_s  # the 15 s loop never ran out
+    session.assert_clean()
