@@ -194,7 +194,9 @@ class HangReport:
         if schema != "pytest-torchhang/hang-report":
             raise ValueError(f"not a pytest-torchhang hang report: schema is {schema!r}")
         version = doc.get("schema_version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"hang report schema_version must be a whole number, got {version!r}")
+        if version > SCHEMA_VERSION:
             raise ValueError(
                 f"hang report schema_version {version!r} is newer than this pytest-torchhang "
                 f"reads ({SCHEMA_VERSION}): upgrade pytest-torchhang to read it"

@@ -1,0 +1,99 @@
+"""The fast tier's shared pieces: recorded hang reports, replayed as the capture diagnosed them.
+
+Everything under ``tests/unit`` runs without torch and without a subprocess pytest session. This
+file imports nothing heavy: the plugin's modules are imported by the tests that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import linecache
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from pytest_torchhang.report import HangReport, Hint, ProcessReport
+
+DATA = Path(__file__).parent / "data"
+#: Real hang reports written by the plugin (``record.py`` says how and when to re-record).
+RECORDED = sorted(DATA.glob("test_*.json"))
+#: What the diagnosis read from the recording machine's disk rather than from the report.
+RECORDING = DATA / "recording.json"
+
+
+def recorded_ids(paths: list[Path]) -> list[str]:
+    """Parametrize ids: the corpus scenario each report is from."""
+    return [path.stem.removeprefix("test_") for path in paths]
+
+
+def diagnosis_digest() -> str:
+    """A digest of the diagnosis code, to tell whether the recordings were diagnosed by it."""
+    from pytest_torchhang import diagnose
+
+    return hashlib.sha256(Path(diagnose.__file__).read_bytes()).hexdigest()
+
+
+@dataclass
+class Replay:
+    """Runs the diagnosis on a recorded report as the capture ran it on the recording machine."""
+
+    machine: dict[str, Any]
+
+    @staticmethod
+    def load(path: Path) -> HangReport:
+        from pytest_torchhang.report import HangReport
+
+        return HangReport.from_json(json.loads(path.read_text()))
+
+    @staticmethod
+    def diagnosed(report: HangReport) -> list[ProcessReport]:
+        """The processes the capture diagnosed: the test's own, not the context facts of
+        processes that existed before the test (added to the report after the diagnosis)."""
+        from pytest_torchhang.guard import CONTEXT_ROLE
+
+        return [p for p in report.processes if not p.role.startswith(CONTEXT_ROLE)]
+
+    def hints(self, report: HangReport) -> list[Hint]:
+        from pytest_torchhang import diagnose
+
+        return diagnose.hints(self.diagnosed(report))
+
+    def headline(self, report: HangReport) -> str:
+        from pytest_torchhang import diagnose
+
+        (root,) = [p for p in report.processes if p.role.split(" (")[0] == "pytest"]
+        phase = f" (during {report.phase})" if report.phase != "call" else ""
+        return diagnose.headline(
+            report.test_id + phase, report.elapsed_s, self.diagnosed(report), root.pid
+        )
+
+
+@pytest.fixture
+def replay(monkeypatch: pytest.MonkeyPatch) -> Iterator[Replay]:
+    """The diagnosis, made to read the recording machine instead of this one.
+
+    Three things the rules read at diagnosis time are not in the report: which directory is the
+    stdlib (``_is_library``), source lines through ``linecache`` (``_enclosing_class``,
+    ``_taken_twice``: the recorded session's test files are gone, and the stdlib here may be
+    another version's), and ``/proc/PID/maps`` of a fork parent (``_maps_cuda``: the recorded
+    pid may be any process here, or none). The first two come from ``data/recording.json``;
+    the last is answered from the recordings, taken on a machine where no process of the corpus
+    loaded libcuda (its tests never touch a GPU).
+    """
+    from pytest_torchhang import diagnose
+
+    machine = json.loads(RECORDING.read_text())
+    monkeypatch.setattr(diagnose, "_STDLIB", machine["stdlib"])
+    monkeypatch.setattr(diagnose, "_maps_cuda", lambda pid: False)
+    for filename, text in machine["sources"].items():
+        lines = text.splitlines(keepends=True)
+        # mtime None: linecache.checkcache leaves the entry alone
+        monkeypatch.setitem(linecache.cache, filename, (len(text), None, lines, filename))
+    diagnose._enclosing_class.cache_clear()
+    yield Replay(machine)
+    diagnose._enclosing_class.cache_clear()

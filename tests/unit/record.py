@@ -1,0 +1,210 @@
+"""Re-record the hang reports under tests/unit/data/ from real hangs of the corpus, with the plugin.
+
+Run it from the repository root, with torch installed (it takes a few minutes)::
+
+    python tests/unit/record.py
+
+Re-record when the capture changes what a report holds (a new field of ``HangReport``, a new
+fact read from /proc, a new role), or when a corpus scenario changes: the replay tests
+(``tests/unit/test_diagnosis_replay.py``) then run the diagnosis rules on what the capture of
+today writes. A rule change alone needs no re-recording: that is what the recordings are for.
+
+It runs every scenario of ``tests/corpus/`` in one real pytest session with
+``--torch-hang-report-dir``, as ``tests/test_diagnosis_corpus.py`` does, then the training loop
+of ``tests/test_stall.py`` that stops making progress in its third epoch (a stall report), and
+keeps the first report of each scenario named in ``CHOSEN``, written by the plugin and not edited, as
+``data/<scenario>.json``. Beside them, ``data/recording.json`` keeps what the diagnosis reads
+from the recording machine's disk rather than from the report (see ``replay`` in
+``tests/unit/conftest.py``): the interpreter's stdlib directory, and the source lines of the
+test files and stdlib modules the reports' frames point into, up to the deepest line a frame
+names (the diagnosis reads lines up to a frame's line and no further). Check ``git diff --stat tests/unit/data`` afterwards: the set stays
+under about 2 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import linecache
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+CORPUS = HERE.parent / "corpus"
+DATA = HERE / "data"
+
+#: The scenarios kept, one or more per rule family (labels: tests/test_diagnosis_corpus.py).
+CHOSEN = (
+    # DataLoader workers
+    "test_loading_worker_stopped",
+    "test_loading_iterable_worker_spins",
+    "test_loading_lock_held_at_fork",
+    "test_loading_lock_taken_twice",
+    "test_loading_worker_reads_a_silent_pipe",
+    "test_loading_worker_sleeps",
+    "test_loading_workers_wait_for_a_file_lock_the_parent_holds",
+    "test_loading_openmp_after_the_parent_ran_ops",
+    "test_loading_future_result_after_fork",
+    # processes, pipes and queues
+    "test_sharing_join_before_draining_a_queue",
+    "test_sharing_manager_lock_leaked",
+    "test_sharing_pool_map_worker_killed",
+    "test_sharing_child_waits_for_an_event_the_parent_sets_after_join",
+    "test_sharing_popen_child_stopped",
+    "test_sharing_child_died_before_sending",
+    "test_sharing_popen_communicate_with_a_sleeping_child",
+    "test_sharing_the_test_itself_sleeps",
+    "test_sharing_a_service_that_never_answers",
+    "test_sharing_thread_join_while_holding_its_lock",
+    # a stall: no progress for the stall time (tests/test_stall.py)
+    "test_freezes_in_its_third_epoch",
+    # gloo ranks
+    "test_distributed_different_collectives",
+    "test_distributed_rank_never_reaches_the_collective",
+    "test_distributed_both_ranks_receive",
+    "test_distributed_rank_died_before_init",
+)
+
+
+def _pytest(workdir: Path, *args: str) -> None:
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    command += ["-q", f"--torch-hang-report-dir={workdir / 'reports'}", *args]
+    subprocess.run(command, cwd=workdir, timeout=1800, check=False)
+
+
+def run_sessions(workdir: Path, timeout: float) -> Path:
+    """Run the corpus and the stall in a fresh directory; the folder of the plugin's reports."""
+    (workdir / "pytest.ini").write_text("[pytest]\n")  # keep the repository's ini out of it
+    corpus = []
+    for source in sorted(CORPUS.glob("corpus_*.py")):
+        corpus.append(f"test_{source.stem}.py")
+        shutil.copy(source, workdir / corpus[-1])
+    _pytest(workdir, f"--torch-hang-timeout={timeout}", *corpus)
+    sys.path.insert(0, str(HERE.parent))  # the end-to-end stall test's scenario
+    from test_stall import TRAINING
+
+    (workdir / "test_stall_training.py").write_text(TRAINING)
+    _pytest(
+        workdir,
+        "--torch-hang-stall=6",  # as tests/test_stall.py: torch's first ops import for seconds
+        "--torch-hang-timeout=120",
+        "test_stall_training.py::test_freezes_in_its_third_epoch",
+    )
+    return workdir / "reports"
+
+
+def first_reports(reports: Path) -> dict[str, Path]:
+    """The file of the first hang report of each test, by test name (as the corpus test
+    chooses)."""
+    out: dict[str, tuple[float, Path]] = {}
+    for path in sorted(reports.glob("*.json")):
+        doc: dict[str, Any] = json.loads(path.read_text())
+        name = doc["test_id"].split("::")[-1]
+        if name not in out or doc["created"] < out[name][0]:
+            out[name] = (doc["created"], path)
+    return {name: path for name, (_, path) in out.items()}
+
+
+def read_by_diagnosis(docs: list[dict[str, Any]]) -> set[str]:
+    """The source files the diagnosis reads (through linecache) when it runs on ``docs``."""
+    from pytest_torchhang import diagnose
+    from pytest_torchhang.guard import CONTEXT_ROLE
+    from pytest_torchhang.report import HangReport
+
+    read: set[str] = set()
+    real = linecache.updatecache
+
+    def spy(filename: str, module_globals: Any = None) -> list[str]:
+        read.add(filename)
+        return real(filename, module_globals)
+
+    linecache.clearcache()
+    diagnose._enclosing_class.cache_clear()
+    linecache.updatecache = spy
+    try:
+        for doc in docs:
+            processes = HangReport.from_json(doc).processes
+            diagnose.hints([p for p in processes if not p.role.startswith(CONTEXT_ROLE)])
+    finally:
+        linecache.updatecache = real
+    return read
+
+
+def sources(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """The source the diagnosis may read of each file the reports' frames point into, up to the
+    deepest line named: those it reads today, and every one outside installed packages (rules
+    to come may read them; all of torch's would make the data set large)."""
+    deepest: dict[str, int] = {}
+    for doc in docs:
+        for proc in doc["processes"]:
+            for thread in proc["threads"]:
+                for frame in thread["frames"]:
+                    deepest[frame["filename"]] = max(
+                        deepest.get(frame["filename"], 0), frame["lineno"]
+                    )
+    read = read_by_diagnosis(docs)
+    out = {}
+    for name, lineno in sorted(deepest.items()):
+        wanted = name in read or not (name.startswith("<") or "-packages" in name)
+        if wanted and os.path.isfile(name):
+            with open(name, encoding="utf-8", errors="replace") as source:
+                out[name] = "".join(source.readlines()[:lineno])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, default=3.0, help="The corpus test's timeout")
+    parser.add_argument("--keep", action="store_true", help="Keep the session's directory")
+    parser.add_argument(
+        "--session",
+        type=Path,
+        help="Curate from the directory a --keep run left (its reports and test files), "
+        "without running the corpus again",
+    )
+    args = parser.parse_args()
+    workdir = args.session or Path(tempfile.mkdtemp(prefix="torchhang-record-"))
+    try:
+        reports = workdir / "reports" if args.session else run_sessions(workdir, args.timeout)
+        found = first_reports(reports)
+        missing = [name for name in CHOSEN if name not in found]
+        if missing:
+            print(f"no hang report for {missing}: nothing written", file=sys.stderr)
+            return 1
+        for old in DATA.glob("*.json"):
+            old.unlink()
+        DATA.mkdir(exist_ok=True)
+        total = 0
+        for name in CHOSEN:
+            path = DATA / f"{name}.json"
+            shutil.copyfile(found[name], path)  # as the plugin wrote it, byte for byte
+            total += path.stat().st_size
+        diagnosis = HERE.parent.parent / "pytest_torchhang" / "diagnose.py"
+        machine = {
+            # the replay checks for an exact match only while this is the diagnosis code
+            "diagnose_sha256": hashlib.sha256(diagnosis.read_bytes()).hexdigest(),
+            "python": sys.version.split()[0],
+            "stdlib": os.path.realpath(sysconfig.get_paths()["stdlib"]),
+            "sources": sources([json.loads(found[name].read_text()) for name in CHOSEN]),
+        }
+        path = DATA / "recording.json"
+        path.write_text(json.dumps(machine, indent=1) + "\n")
+        total += path.stat().st_size
+        print(f"wrote {len(CHOSEN)} reports, {total / 1e6:.2f} MB, to {DATA}")
+        return 0
+    finally:
+        if args.keep or args.session:
+            print(f"session directory kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

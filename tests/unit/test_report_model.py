@@ -1,0 +1,65 @@
+"""The report model: a saved JSON report rebuilds into the report that wrote it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_torchhang.report import SCHEMA_VERSION, HangReport
+
+from .conftest import RECORDED, recorded_ids
+
+
+def _doc(path: Path) -> dict[str, object]:
+    doc: dict[str, object] = json.loads(path.read_text())
+    return doc
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=recorded_ids(RECORDED))
+def test_a_recorded_report_survives_the_round_trip(path: Path) -> None:
+    doc = _doc(path)
+    report = HangReport.from_json(doc)
+    assert report.to_json() == doc
+    again = HangReport.from_json(json.loads(json.dumps(report.to_json())))
+    assert again == report
+    assert again.to_text() == report.to_text()
+
+
+def test_the_rebuilt_report_holds_typed_objects_down_to_the_wait_edges() -> None:
+    report = HangReport.from_json(_doc(RECORDED[0]))
+    assert report.processes and report.hints
+    kinds = {type(x).__name__ for x in report.processes}
+    kinds |= {type(t).__name__ for p in report.processes for t in p.threads}
+    kinds |= {type(f).__name__ for p in report.processes for t in p.threads for f in t.frames}
+    kinds |= {type(t).__name__ for p in report.processes for t in p.tasks}
+    kinds |= {type(h).__name__ for h in report.hints}
+    assert kinds == {"ProcessReport", "ThreadStack", "Frame", "TaskWait", "Hint"}
+
+
+def test_every_kind_of_nested_object_is_in_the_recordings() -> None:
+    """The round trip above covers wait edges and collectives only if some recording has them."""
+    reports = [HangReport.from_json(_doc(path)) for path in RECORDED]
+    edges = [e for r in reports for p in r.processes for t in p.tasks for e in t.waits_for]
+    collectives = [c for r in reports for p in r.processes for c in p.collectives]
+    assert edges and {type(e).__name__ for e in edges} == {"WaitEdge"}
+    assert collectives and {type(c).__name__ for c in collectives} == {"Collective"}
+    assert any(p.exit_status for r in reports for p in r.processes)  # a zombie's facts
+    assert any(r.kind == "stall" for r in reports), "no stall report recorded"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"schema": "something/else"}, "not a pytest-torchhang hang report: schema is"),
+        ({"schema_version": SCHEMA_VERSION + 1}, "is newer than this pytest-torchhang reads"),
+        ({"schema_version": None}, "schema_version must be a whole number, got None"),
+    ],
+)
+def test_a_document_of_another_schema_is_refused_with_what_to_do(
+    change: dict[str, object], message: str
+) -> None:
+    doc = {**_doc(RECORDED[0]), **change}
+    with pytest.raises(ValueError, match=message):
+        HangReport.from_json(doc)
