@@ -144,7 +144,10 @@ def new_board(dump_dir: str, serial: int) -> Reader:
         os.close(fd)
     reader = Reader(path)
     os.environ[PROGRESS_ENV] = path
+    known = list(_Board.failures)
     install()
+    for text in known:  # a capture keeps only its own test's notes: say them again for this one
+        child_note(text)
     return reader
 
 
