@@ -15,6 +15,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -38,6 +39,8 @@ _NOT_STUCK = (
     "torch_shm_manager",
     "Manager server",
 )
+#: The key of pytest-xdist's workerinput that hands the workers the shared "found" directory.
+FOUND_DIR_KEY = "torchhang_hunt_found_dir"
 #: The terminal hears how the hunt goes at most this often.
 PROGRESS_EVERY_S = 5.0
 
@@ -203,10 +206,13 @@ class HuntPlugin:
         self.tests: dict[str, Hunted] = {}
         self.started = time.monotonic()
         self._told = 0.0
+        # Where a worker tells the others that a test hung (stop at the first hang, under
+        # xdist): made by the controller (or a plain session), handed to the workers, removed
+        # at the end by whoever made it.
         workerinput = getattr(config, "workerinput", None)
-        uid = workerinput["testrunuid"] if workerinput else f"{os.getpid()}-{time.time_ns()}"
-        # where a worker tells the others that a test hung (stop at the first hang, under xdist)
-        self.found_dir = os.path.join(tempfile.gettempdir(), f"torchhang-hunt-{uid}")
+        given = workerinput.get(FOUND_DIR_KEY) if workerinput else None
+        self._owns_found_dir = given is None
+        self.found_dir = given or tempfile.mkdtemp(prefix="torchhang-hunt-")
         self._affinity: set[int] | None = None
         self._not_run: set[str] = set()  # runs skipped after their test's first hang
         self._switch = sys.getswitchinterval()
@@ -223,6 +229,14 @@ class HuntPlugin:
         metafunc.parametrize(
             RUN_FIXTURE, range(1, self.runs + 1), indirect=True, ids=lambda n: f"hunt{n}"
         )
+
+    @pytest.hookimpl(optionalhook=True)  # pytest-xdist's: absent without it
+    def pytest_configure_node(self, node: Any) -> None:
+        node.workerinput[FOUND_DIR_KEY] = self.found_dir
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if self._owns_found_dir:
+            shutil.rmtree(self.found_dir, ignore_errors=True)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
