@@ -74,7 +74,7 @@ class GuardSession:
     leftovers: list[str] = field(default_factory=list)  # what was killed at the end, described
     notes: list[str] = field(default_factory=list)  # the guard's own troubles, said once
     subprocess_runner: runner.Runner | None = None
-    _board: _progress.Reader | None = None
+    _boards: int = 0  # progress boards made so far: each test gets a new file
     _births_after: proctree.Births | None = None  # the last guarded test's closing snapshot
 
     def get_runner(self) -> runner.Runner:
@@ -213,20 +213,16 @@ class GuardSession:
             self.current = None
 
     def _progress_board(self) -> _progress.Reader:
-        """A fresh progress board for the test about to run, named in its environment."""
+        """A new progress board for the test about to run, named in its environment: processes
+        an earlier test left running keep beating into that test's board, never this one."""
         assert self.dump_dir is not None
-        path = os.path.join(self.dump_dir, f"progress-{os.getpid()}")
-        _progress.create(path)  # the same file each test, wiped: every mapping of it stays valid
-        os.environ[_progress.PROGRESS_ENV] = path
-        _progress.install()  # beats in this process too (the test iterates a DataLoader here)
-        if self._board is None:
-            self._board = _progress.Reader(path)
-        return self._board
+        self._boards += 1
+        return _progress.new_board(self.dump_dir, self._boards)
 
     def finish(self, held: TestDeadline) -> None:
         """The test is over: lift its deadline, remember what it left running."""
         if held.board is not None:
-            os.environ.pop(_progress.PROGRESS_ENV, None)
+            _progress.end_board(held.board)  # a capture still running reads its last state
         if self.settings.hunt_stress:
             os.environ.pop(STRESS_ENV, None)
         self.disarm(held)
