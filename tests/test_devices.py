@@ -23,25 +23,55 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench" / "gpu_check.py"
 
 # Inner-session helper: a test body that holds its GPUs for a while and writes down what it saw.
+# Its waits (a meeting of workers, a replacement worker's first test) are events read from the
+# records folder, each bounded so that a wait that never ends fails the inner test.
 RECORDING_CONFTEST = """
-import json, os, time
+import glob, json, os, time
 import pytest
 from pytest_torchhang.devices import leased_devices, leased_gpus
 
+RECORDS = {records!r}
+ORIGINAL_WORKERS = {{"gw0", "gw1"}}
+BOUND_S = 90.0
+
+
+def records():
+    return [json.load(open(path)) for path in glob.glob(os.path.join(RECORDS, "*.json"))]
+
+
+def wait_until(what, done):
+    deadline = time.monotonic() + BOUND_S
+    while not done():
+        assert time.monotonic() < deadline, f"waited {{BOUND_S}}s for {{what}}"
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def hold(request):
-    def run(seconds=0.25):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+    def run(seconds=0.25, meet=0, replacement=False):
         start = time.monotonic()
         seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if meet:  # a barrier: the GPUs are held until ``meet`` workers have arrived
+            open(os.path.join(RECORDS, f"meet-{{worker}}"), "w").close()
+            wait_until(f"{{meet}} workers to meet", lambda: len(glob.glob(os.path.join(RECORDS, "meet-*"))) >= meet)
+        crashed = any(r["test"] == "test_a_crash" for r in records())
+        if replacement and crashed and worker in ORIGINAL_WORKERS:
+            # the survivor leaves tests for the replacement worker: it holds its GPUs until
+            # the replacement has run one
+            wait_until("a test on the replacement worker", lambda: any(
+                r["worker"] not in ORIGINAL_WORKERS for r in records()))
         time.sleep(seconds)
         record = dict(
-            test=request.node.name, worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            test=request.node.name, worker=worker,
             pid=os.getpid(), cvd=seen, leased=leased_gpus(request.node),
             devices=leased_devices(request.node), start=start, end=time.monotonic(),
         )
-        name = f"{{os.getpid()}}-{{time.monotonic_ns()}}.json"
-        with open(os.path.join({records!r}, name), "w") as out:
+        name = os.path.join(RECORDS, f"{{os.getpid()}}-{{time.monotonic_ns()}}")
+        with open(name + ".tmp", "w") as out:
             json.dump(record, out)
+        os.replace(name + ".tmp", name + ".json")  # readers never see half a record
     return run
 """
 
@@ -62,7 +92,7 @@ def recording_session(pytester: pytest.Pytester, tests: str) -> Path:
 
 
 def load_records(records: Path) -> list[dict[str, Any]]:
-    return [json.loads(path.read_text()) for path in sorted(records.iterdir())]
+    return [json.loads(path.read_text()) for path in sorted(records.glob("*.json"))]
 
 
 def assert_no_device_shared_while_overlapping(records: list[dict[str, Any]]) -> int:
@@ -313,8 +343,8 @@ def test_under_xdist_tests_running_at_the_same_time_never_share_a_gpu(
         assert record["devices"] == record["cvd"].split(","), record
     (unmarked,) = (r for r in seen if r["test"] == "test_unmarked")
     assert unmarked["leased"] is None and unmarked["devices"] is None and unmarked["cvd"] is None
-    overlaps = assert_no_device_shared_while_overlapping(gpu_records)
-    assert overlaps > 0, "the two workers never ran gpu tests at the same time"
+    # whether bodies overlapped here is up to the scheduler: the next test makes them meet
+    assert_no_device_shared_while_overlapping(gpu_records)
 
     properties = {
         case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}
@@ -322,6 +352,31 @@ def test_under_xdist_tests_running_at_the_same_time_never_share_a_gpu(
     }
     assert properties["test_all"]["torch_hang_gpus"] == "0,1,2,3"
     assert float(str(properties["test_all"]["torch_hang_gpu_wait_s"])) >= 0
+
+
+def test_two_workers_holding_gpus_at_the_same_moment_hold_disjoint_gpus(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A barrier inside the bodies: each test keeps its lease until both have arrived, so they
+    # hold GPUs at the same moment by construction (a lease that waited for the other test's
+    # release would never meet it, and the bounded wait would fail the inner test).
+    monkeypatch.setenv(FAKE, "4")
+    monkeypatch.setenv(leases.LEASE_TIMEOUT_ENV, "30")
+    records = recording_session(
+        pytester,
+        """
+        @pytest.mark.parametrize("i", range(2))
+        @pytest.mark.gpu(2)
+        def test_meet(hold, i):
+            hold(0, meet=2)
+        """,
+    )
+    result = pytester.runpytest_subprocess("-n", "2")
+    result.assert_outcomes(passed=2)
+    a, b = load_records(records)
+    assert {a["worker"], b["worker"]} == {"gw0", "gw1"}
+    assert assert_no_device_shared_while_overlapping([a, b]) == 1
+    assert sorted(a["leased"] + b["leased"]) == [0, 1, 2, 3]
 
 
 def test_waiting_for_a_lease_does_not_count_against_the_hang_timeout(
@@ -359,7 +414,7 @@ def test_gpus_held_by_a_crashed_worker_are_freed_for_its_replacement_and_the_res
         @pytest.mark.parametrize("i", range(8))
         @pytest.mark.gpu(2)
         def test_two(hold, i):
-            hold(0.2)
+            hold(0.2, replacement=True)
         """,
     )
     result = pytester.runpytest_subprocess("-n", "2", "--max-worker-restart=2")

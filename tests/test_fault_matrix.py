@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -496,13 +497,63 @@ def test_the_zygote_start_up_neither_fails_the_first_fixture_test_nor_dies_with_
 # --- identity safety: a pid that was recycled between the snapshot and the signal -----------
 
 
+#: The highest signal number. A process runs the handlers of the signals pending together in
+#: ascending order (the kernel delivers every pending signal before the process resumes, and
+#: Python calls its handlers by number), so once the marker's handler has run, any signal sent
+#: before the marker has been acted on: a handled one printed first, SIGSTOP or SIGKILL stopped
+#: the process before it could answer.
+MARKER = signal.SIGRTMAX
+
+#: Prints the number of every signal it handles (argv), after "ready".
+WITNESS = (
+    "import signal, sys\n"
+    "def note(signum, frame):\n"
+    "    print(signum, flush=True)\n"
+    "for number in sys.argv[1:]:\n"
+    "    signal.signal(int(number), note)\n"
+    "print('ready', flush=True)\n"
+    "while True:\n"
+    "    signal.pause()\n"
+)
+
+
 @pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    """A process that must survive: whoever signals it took a recycled pid for it."""
-    proc = subprocess.Popen(["sleep", "1000"])
-    yield proc
-    proc.kill()
-    proc.wait()
+def witness() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that must survive and notes the dump signal and the marker it receives."""
+    args = [str(int(_hook.DUMP_SIGNAL)), str(int(MARKER))]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WITNESS, *args], stdout=subprocess.PIPE, bufsize=0
+    )
+    try:
+        assert _read_line(proc) == "ready"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _read_line(proc: subprocess.Popen[bytes], bound_s: float = 60.0) -> str:
+    """The next line ``proc`` prints; fails when none comes within ``bound_s`` (or at its end)."""
+    assert proc.stdout is not None
+    line = b""
+    deadline = time.monotonic() + bound_s
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
+        state = _state(proc.pid) if psutil.pid_exists(proc.pid) else "gone"
+        assert ready, f"no line from pid {proc.pid} ({state}) within {bound_s}s, got {line!r}"
+        byte = os.read(proc.stdout.fileno(), 1)
+        assert byte, f"pid {proc.pid} ended ({proc.wait()}) before its line, got {line!r}"
+        line += byte
+    return line.decode().rstrip("\n")
+
+
+def _answers_the_marker(proc: subprocess.Popen[bytes]) -> list[str]:
+    """Every signal ``proc`` handled since its last line, up to the marker (bounded)."""
+    os.kill(proc.pid, MARKER)
+    seen = [_read_line(proc)]
+    while seen[-1] != str(int(MARKER)):
+        seen.append(_read_line(proc))
+    return seen[:-1]
 
 
 def _recycled(pid: int) -> ProcessId:
@@ -522,16 +573,14 @@ def _wait_until_stopped(pid: int) -> None:
         time.sleep(0.01)
 
 
-def test_a_recycled_pid_is_never_signalled(sleeper: subprocess.Popen[bytes]) -> None:
-    ident = _recycled(sleeper.pid)
+def test_a_recycled_pid_is_never_signalled(witness: subprocess.Popen[bytes]) -> None:
+    ident = _recycled(witness.pid)
     for sig in (signal.SIGSTOP, signal.SIGKILL, _hook.DUMP_SIGNAL):
         assert not proctree.signal_process(ident, sig)
-    time.sleep(0.2)  # a signal sent by mistake would have been acted on by now
-    assert _state(sleeper.pid) in (psutil.STATUS_SLEEPING, psutil.STATUS_RUNNING)
-    real = ProcessId(sleeper.pid, psutil.Process(sleeper.pid).create_time())
-    assert proctree.signal_process(real, signal.SIGSTOP)  # the check is on identity, not pid
-    _wait_until_stopped(sleeper.pid)
-    proctree.signal_process(real, signal.SIGCONT)
+    assert _answers_the_marker(witness) == []  # neither stopped, killed nor asked for a dump
+    real = ProcessId(witness.pid, psutil.Process(witness.pid).create_time())
+    assert proctree.signal_process(real, _hook.DUMP_SIGNAL)  # the check is on identity, not pid
+    assert _answers_the_marker(witness) == [str(int(_hook.DUMP_SIGNAL))]
 
 
 def test_kill_tree_spares_a_process_whose_pid_was_recycled_after_its_snapshot(
@@ -577,20 +626,22 @@ def test_a_dump_request_never_signals_a_recycled_pid(
     tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dump_dir = os.fspath(tmp_path)
+    # the dump handler (faulthandler's, in C) writes before the marker's Python handler runs
     code = (
-        "import sys, time\n"
+        "import signal, sys\n"
         "from pytest_torchhang import _hook\n"
         "assert _hook.install(sys.argv[1])\n"
+        "signal.signal(int(sys.argv[2]), lambda signum, frame: print(signum, flush=True))\n"
         "print('ready', flush=True)\n"
-        "time.sleep(1000)\n"
+        "while True:\n"
+        "    signal.pause()\n"
     )
     monkeypatch.delenv(_hook.DUMP_DIR_ENV, raising=False)
     child = subprocess.Popen(
-        [sys.executable, "-c", code, dump_dir], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, dump_dir, str(int(MARKER))], stdout=subprocess.PIPE, bufsize=0
     )
     try:
-        assert child.stdout is not None
-        assert child.stdout.readline() == "ready\n"
+        assert _read_line(child) == "ready"
         dump_file = _hook.dump_path(dump_dir, child.pid)
         assert stacks.handles_signal(child.pid, _hook.DUMP_SIGNAL)
 
@@ -601,10 +652,11 @@ def test_a_dump_request_never_signals_a_recycled_pid(
                 _wait_until_stopped(child.pid)
             dumps = stacks.request_dumps([_recycled(child.pid)], dump_dir, budget_s=0.3)
             assert dumps[child.pid].status == "gone before its stack could be taken"
-            time.sleep(0.2)  # a signal sent by mistake would have been acted on by now
-            assert os.path.getsize(dump_file) == 0
-            running = (psutil.STATUS_SLEEPING, psutil.STATUS_RUNNING)
-            assert _state(child.pid) in ((psutil.STATUS_STOPPED,) if stopped else running)
+            if stopped:  # a SIGCONT wakes a stopped process as it is sent
+                assert _state(child.pid) == psutil.STATUS_STOPPED
+                os.kill(child.pid, signal.SIGCONT)
+            assert _answers_the_marker(child) == []
+            assert os.path.getsize(dump_file) == 0  # no dump signal was pending at the marker
 
         # the same request with the true identity is answered: the setup above could tell
         real = ProcessId(child.pid, psutil.Process(child.pid).create_time())
