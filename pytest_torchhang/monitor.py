@@ -31,6 +31,9 @@ from ._hook import DUMP_DIR_ENV
 GIL_GRACE_S = 3.0
 #: How long after the watchdog fired the test has to finish.
 HARD_GRACE_S = 20.0
+#: The last-resort capture may take this much longer than a capture's own budget (native
+#: stacks through pystack or py-spy take about 2 s), then the tree is killed all the same.
+CAPTURE_EXTRA_S = 8.0
 #: The monitor looks at the deadline board (and at its parent) at least this often.
 POLL_S = 0.5
 
@@ -227,7 +230,8 @@ def _take_over(
     spare_root: bool,
 ) -> None:
     from .guard import GuardTarget, capture, kill
-    from .report import Hint
+    from .procfs import call_with_timeout
+    from .report import HangReport, Hint
 
     deadline, timeout, before, test_id = armed
     target = GuardTarget(
@@ -243,7 +247,17 @@ def _take_over(
         # that ran pytest in a thread keeps its session's processes.
         before=before if spare_root else None,
     )
-    report = capture(target)
+    try:  # every step of a capture is bounded; their sum must be too, or the kill never comes
+        report = call_with_timeout(target.capture_budget_s + CAPTURE_EXTRA_S, capture, target)
+    except Exception as exc:
+        report = HangReport(
+            test_id=test_id,
+            timeout_s=timeout,
+            elapsed_s=time.monotonic() - target.started,
+            phase="call",
+            headline=f"HANG in {test_id}: the stacks could not be taken",
+            notes=[f"pytest-torchhang's last-resort capture failed: {exc}"],
+        )
     why = (
         "the test did not finish after the watchdog had fired and killed its children"
         if fired

@@ -248,17 +248,12 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
 
 
 def pytest_enter_pdb(config: pytest.Config) -> None:
-    """No hang is declared, and nothing killed, while a user sits in the debugger: every clock
-    of the current test stops until the debugger is left."""
+    """No hang is declared, and nothing killed, once a user has sat in the debugger: every clock
+    of the current test stops for the rest of it (pytest-timeout's rule too, which users know:
+    after ``continue`` a test is being debugged, and killing it a second later would surprise)."""
     state = config.stash.get(_SESSION, None)
     if state is not None and state.current is not None:
         state.pause(state.current)
-
-
-def pytest_leave_pdb(config: pytest.Config) -> None:
-    state = config.stash.get(_SESSION, None)
-    if state is not None and state.current is not None:
-        state.resume(state.current)
 
 
 @pytest.hookimpl(tryfirst=True)
