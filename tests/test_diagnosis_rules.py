@@ -140,8 +140,14 @@ def test_a_rank_gone_while_its_peer_waits_in_a_collective_is_named(guarded: Guar
 
 STILL_STARTING = """
 import multiprocessing as mp
+import threading
 
 import torch
+
+if mp.parent_process() is not None:
+    # in the spawned child, importing this module never ends (as an import that waits on a
+    # lock or a network filesystem): it is importing at the deadline on any machine
+    threading.Event().wait()
 
 
 def work():
@@ -157,7 +163,7 @@ def test_deadline_shorter_than_a_spawned_childs_start():
 
 def test_children_still_importing_at_the_deadline_get_their_hint(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_starting=STILL_STARTING)
-    session = guarded.run(timeout=1)
+    session = guarded.run(timeout=2)
     session.result.assert_outcomes(failed=1)
     assert_hang(
         session,
