@@ -46,7 +46,6 @@ NEEDS_TORCH = (
     "tests/test_ownership.py::test_module_scoped_persistent_workers",
     "tests/test_reports.py::test_junit_xml_json_files",
     "tests/test_reports.py::test_under_xdist_the_controller",
-    "tests/test_reports.py::test_github_actions",
     "tests/test_reports.py::test_the_report_and_json_carry_wait_for_edges",
     "tests/test_devices.py::test_detection_and_skipping_neither_import_torch",
     "tests/test_devices.py::test_the_report_header_shows_torch",

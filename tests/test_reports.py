@@ -40,7 +40,11 @@ def test_passes():
 """
 
 
-def test_junit_xml_json_files_and_the_terminal_carry_the_hang(guarded: GuardedRunner) -> None:
+def test_junit_xml_json_files_the_terminal_and_github_actions_carry_the_hang(
+    guarded: GuardedRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one session for every place the report goes: each inner session costs a torch start-up
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
     guarded.pytester.makepyfile(test_hang=HANG_AND_PASS)
     junit = guarded.pytester.path / "junit.xml"
     reports = guarded.pytester.path / "reports"
@@ -56,6 +60,13 @@ def test_junit_xml_json_files_and_the_terminal_carry_the_hang(guarded: GuardedRu
         ]
     )
     assert "test_hang.py H." in out
+    # GitHub Actions: one error annotation per hang, at the test's line
+    session.result.stdout.fnmatch_lines(
+        [
+            "::error file=test_hang.py,line=18,title=HANG::HANG after 2.* in test_hang.py::test_hangs*"
+        ]
+    )
+    assert out.count("::error ") == 1
     # JUnit XML: the headline is the message, the report the text, and properties say what it was
     case = next(c for c in ET.parse(junit).iter("testcase") if c.get("name") == "test_hangs")
     failure = case.find("failure")
@@ -106,20 +117,6 @@ def test_under_xdist_the_controller_prints_the_workers_full_report(guarded: Guar
     assert failure is not None and failure.get("message", "").startswith("HANG after 2.")
     assert len(list(reports.glob("*-gw*.json"))) == 1
     session.assert_clean()
-
-
-def test_github_actions_gets_one_error_annotation_per_hang(
-    guarded: GuardedRunner, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("GITHUB_ACTIONS", "true")
-    guarded.pytester.makepyfile(test_hang=HANG_AND_PASS)
-    session = guarded.run(timeout=2)
-    session.result.stdout.fnmatch_lines(
-        [
-            "::error file=test_hang.py,line=18,title=HANG::HANG after 2.* in test_hang.py::test_hangs*"
-        ]
-    )
-    assert session.result.stdout.str().count("::error ") == 1
 
 
 PYTEST_TIMEOUT = """
