@@ -25,19 +25,19 @@ def _marker(seconds: float) -> str:
 GROUPS = {
     "plugin-timeout": Group(
         args=(),
-        plugin_timeout=5,
+        plugin_timeout=4,
         cells=(
-            Cell("test_main_thread", "main", "HANG", 5),
-            Cell("test_teardown", "teardown", "HANG", 5),
-            Cell("test_dataloader_worker", "dataloader", "HANG", 5),
+            Cell("test_main_thread", "main", "HANG", 4),
+            Cell("test_teardown", "teardown", "HANG", 4),
+            Cell("test_dataloader_worker", "dataloader", "HANG", 4),
         ),
     ),
     "pytest-timeout-option": Group(
-        args=("--timeout=5",),
+        args=("--timeout=4",),
         cells=(
-            Cell("test_main_thread", "main", "HANG", 5),
-            Cell("test_teardown", "teardown", "HANG", 5),
-            Cell("test_dataloader_worker", "dataloader", "HANG", 5),
+            Cell("test_main_thread", "main", "HANG", 4),
+            Cell("test_teardown", "teardown", "HANG", 4),
+            Cell("test_dataloader_worker", "dataloader", "HANG", 4),
         ),
     ),
     "pytest-timeout-option-xdist": Group(
