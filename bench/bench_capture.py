@@ -2,8 +2,8 @@
 
 The tree is real: children of this process with the plugin's start-up hook, blocked the ways
 hangs block (a pipe read, a lock in a two-thread process, a file lock, a sleep). For each size it
-times ``waits.read`` (the kernel's evidence: syscalls, fds, sockets, maps, locks), the hint rules
-over the graph, and ``guard.capture`` as a hang uses it (evidence, stacks by signal, facts,
+times ``waitgraph.read`` (the kernel's evidence: syscalls, fds, sockets, maps, locks), the hint rules
+over the graph, and ``pipeline.capture`` as a hang uses it (evidence, stacks by signal, facts,
 flight-recorder requests, roles and hints); the issue's targets are capture plus graph under
 0.3 s for 4 processes and under 1 s for 64. Run: ``python bench/bench_capture.py [--quick]``.
 """
@@ -22,8 +22,9 @@ from _common import machine, median, parser, spread, table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pytest_torchhang import diagnose, guard, waits  # noqa: E402
-from pytest_torchhang._hook import DUMP_DIR_ENV  # noqa: E402
+from pytest_torchhang.capture import pipeline, waitgraph  # noqa: E402
+from pytest_torchhang.diagnosis import engine  # noqa: E402
+from pytest_torchhang.inject.hook import DUMP_DIR_ENV  # noqa: E402
 
 CHILD = """
 import fcntl, sys, threading, time
@@ -61,15 +62,15 @@ def _settle(children: list[subprocess.Popen[bytes]], timeout: float = 60.0) -> N
     deadline = time.monotonic() + timeout
     for child in children:
         while time.monotonic() < deadline:
-            task = waits.read([child.pid]).members[child.pid].tasks
+            task = waitgraph.read([child.pid]).members[child.pid].tasks
             if task and task[0].call not in ("", "running") and _handler(child.pid):
                 break
             time.sleep(0.02)
 
 
 def _handler(pid: int) -> bool:
-    from pytest_torchhang._hook import DUMP_SIGNAL
-    from pytest_torchhang.stacks import handles_signal
+    from pytest_torchhang.capture.stacks import handles_signal
+    from pytest_torchhang.inject.hook import DUMP_SIGNAL
 
     return handles_signal(pid, DUMP_SIGNAL)
 
@@ -91,16 +92,16 @@ def measure(n: int, reps: int) -> dict[str, list[float]]:
             pids = [c.pid for c in children]
             for _ in range(reps):
                 start = time.perf_counter()
-                waits.read([os.getpid(), *pids])
+                waitgraph.read([os.getpid(), *pids])
                 figures["read"].append(time.perf_counter() - start)
-                target = guard.GuardTarget(
+                target = pipeline.CaptureTarget(
                     test_id="bench", timeout_s=1.0, root_pid=os.getpid(), dump_dir=dump_dir
                 )
                 start = time.perf_counter()
-                report = guard.capture(target)
+                report = pipeline.capture(target)
                 figures["capture"].append(time.perf_counter() - start)
                 start = time.perf_counter()
-                diagnose.hints(report.processes)
+                engine.hints(report.processes)
                 figures["hints"].append(time.perf_counter() - start)
                 assert len(report.processes) >= n, report.headline
                 figures["stacks"].append(sum(p.dump_status == "ok" for p in report.processes))

@@ -57,7 +57,7 @@ FORKER = textwrap.dedent(
     import time
 
     import torch  # noqa: F401
-    import pytest_torchhang.child  # noqa: F401
+    import pytest_torchhang.runner.child  # noqa: F401
 
     print("READY", flush=True)
     for line in sys.stdin:

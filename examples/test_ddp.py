@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 if TYPE_CHECKING:
-    from pytest_torchhang.fixtures import TorchHang
+    from pytest_torchhang.runner.api import TorchHang
 
 
 @dataclass

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from pytest_torchhang import HangError
 
 if TYPE_CHECKING:
-    from pytest_torchhang.fixtures import TorchHang
+    from pytest_torchhang.runner.api import TorchHang
 
 
 class LabelCensus(Dataset[tuple[torch.Tensor, int]]):

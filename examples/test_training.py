@@ -16,7 +16,7 @@ import pytest
 from cifar_task import cifar_loader, train
 
 if TYPE_CHECKING:
-    from pytest_torchhang.fixtures import TorchHang
+    from pytest_torchhang.runner.api import TorchHang
 
 
 @pytest.mark.cpu

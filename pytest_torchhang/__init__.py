@@ -1,7 +1,7 @@
 """pytest-torchhang: make hangs in PyTorch multiprocess tests bounded and explainable.
 
 Public names are loaded lazily, so the start-up hook injected into every child interpreter can
-import ``pytest_torchhang._hook`` without paying for pytest.
+import ``pytest_torchhang.inject.hook`` without paying for pytest.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._progress import progress
     from .exceptions import ChildCrashed, HangError, RemoteTraceback
-    from .fixtures import TorchHang
-    from .jobs import LoaderStats
-    from .report import HangReport
+    from .inject.beats import progress
+    from .report.model import HangReport
+    from .runner.api import TorchHang
+    from .runner.jobs import LoaderStats
 
 
 def __getattr__(name: str) -> Any:
@@ -32,19 +32,19 @@ def __getattr__(name: str) -> Any:
 
         return getattr(exceptions, name)
     if name == "TorchHang":
-        from .fixtures import TorchHang
+        from .runner.api import TorchHang
 
         return TorchHang
     if name == "LoaderStats":
-        from .jobs import LoaderStats
+        from .runner.jobs import LoaderStats
 
         return LoaderStats
     if name == "progress":
-        from ._progress import progress
+        from .inject.beats import progress
 
         return progress
     if name == "HangReport":
-        from .report import HangReport
+        from .report.model import HangReport
 
         return HangReport
     raise AttributeError(f"module 'pytest_torchhang' has no attribute {name!r}")

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from . import merge, views
-from .report import HangReport
+from .report import merge, views
+from .report.model import HangReport
 
 #: Exit statuses: a bad input is not a hang.
 BAD_INPUT = 2

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from .report import HangReport
+    from .report.model import HangReport
 
 
 class HangError(pytest.fail.Exception):  # type: ignore[misc, name-defined]

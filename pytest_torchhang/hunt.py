@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from .report import HangReport
-from .testreport import HEADLINE_PROPERTY
+from .report.handoff import HEADLINE_PROPERTY
+from .report.model import HangReport
 
 RUN_FIXTURE = "_torch_hang_hunt_run"
 RUN_PROPERTY = "torch_hang_hunt_run"

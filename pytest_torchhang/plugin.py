@@ -1,6 +1,6 @@
 """pytest hooks: options, markers, each test's deadline, and the hang's place in its report.
 
-The hooks translate between pytest and the guard's own objects (``GuardSession``,
+The hooks translate between pytest and the guard's own objects (``SessionState``,
 ``TestDeadline``, ``HangReport``). Off Linux the plugin only registers its options and markers
 and says once, in the header, that the guard needs Linux.
 """
@@ -22,10 +22,10 @@ import pytest
 from . import settings
 
 if TYPE_CHECKING:
-    from .fixtures import TorchHang
     from .hunt import HuntPlugin
-    from .report import HangReport
-    from .session import GuardSession
+    from .report.model import HangReport
+    from .runner.api import TorchHang
+    from .session import SessionState
     from .watchdog import TestDeadline
 
 #: The guard relies on /proc, prctl and real-time signals.
@@ -33,7 +33,7 @@ SUPPORTED = sys.platform.startswith("linux")
 #: After a session that had a hang, interpreter exit gets this long before it is forced.
 EXIT_GRACE_S = 15.0
 
-_SESSION = pytest.StashKey["GuardSession"]()
+_SESSION = pytest.StashKey["SessionState"]()
 _PER_TEST = "torchhang-per-test"
 _HUNT = "torchhang-hunt"
 _ITEM_SETTINGS = pytest.StashKey[settings.ItemSettings]()
@@ -127,9 +127,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "cpu: must not touch a GPU (pytest-torchhang)")
         return
     from . import devices
-    from .session import GuardSession
+    from .session import SessionState
 
-    config.stash[_SESSION] = GuardSession(config, session_settings, os.dup(2))
+    config.stash[_SESSION] = SessionState(config, session_settings, os.dup(2))
     config.pluginmanager.register(devices.DevicePlugin(config), "torchhang-devices")
     if session_settings.hunt:
         from .hunt import HuntPlugin
@@ -263,9 +263,9 @@ def pytest_report_from_serializable(
     """On the pytest-xdist controller, give a worker's hang report its headline back."""
     if not SUPPORTED:
         return None
-    from . import testreport
+    from .report import handoff
 
-    return testreport.from_serializable(data)
+    return handoff.from_serializable(data)
 
 
 def pytest_report_teststatus(
@@ -273,9 +273,9 @@ def pytest_report_teststatus(
 ) -> tuple[str, str, str] | None:
     if not SUPPORTED or not report.failed:
         return None
-    from . import testreport
+    from .report import handoff
 
-    if testreport.is_hang(report):
+    if handoff.is_hang(report):
         # like any failure outside the test body, a hang in setup or teardown counts as an error
         category = "failed" if report.when == "call" else "error"
         return category, "H", ("HANG", {"red": True, "bold": True})  # type: ignore[return-value]
@@ -291,7 +291,7 @@ def pytest_terminal_summary(
     failures = stats.get("failed", []) + stats.get("error", [])
     if state is None or not (state.notes or state.leftovers or failures or hunter):
         return  # nothing to say (and nothing more to import)
-    from . import testreport
+    from .report import handoff
 
     write = terminalreporter.write_line
     if state.notes:
@@ -311,21 +311,21 @@ def pytest_terminal_summary(
         for line in hunter.summary_lines():
             write(line)
         hunter.write_json(state.settings.report_dir)
-    hangs = [r for r in failures if testreport.is_hang(r)]
+    hangs = [r for r in failures if handoff.is_hang(r)]
     if not hangs:
         return
     terminalreporter.write_sep("=", "torch-hang summary", red=True, bold=True)
     for report in hangs:
-        write(testreport.headline(report))
+        write(handoff.headline(report))
     if os.environ.get("GITHUB_ACTIONS") == "true":
         for report in hangs:  # one annotation per hang, on the test's line
-            write(testreport.github_annotation(report))
+            write(handoff.github_annotation(report))
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary and not hasattr(config, "workerinput"):  # the controller writes, once per hang
-        from . import views
+        from .report import views
 
         for report in hangs:
-            hang = testreport.hang_model(report)
+            hang = handoff.hang_model(report)
             problem = views.append_job_summary(summary, hang) if hang is not None else None
             if problem:
                 write(f"torch-hang: {problem}")
@@ -342,7 +342,8 @@ def torch_hang(request: pytest.FixtureRequest) -> TorchHang:
     state = request.config.stash.get(_SESSION, None)
     if state is None:
         pytest.skip(f"the torch_hang fixture needs Linux (this is {sys.platform})")
-    from . import devices, fixtures
+    from . import devices
+    from .runner import api
 
     if not request.config.pluginmanager.has_plugin(_PER_TEST):  # requested dynamically
         request.config.pluginmanager.register(_PerTestHooks(state), _PER_TEST)
@@ -353,7 +354,7 @@ def torch_hang(request: pytest.FixtureRequest) -> TorchHang:
         due = held.deadline if held is not None else math.inf
         return due if due < math.inf else None
 
-    return fixtures.TorchHang(
+    return api.TorchHang(
         state.get_runner,
         node.nodeid,
         deadline,
@@ -392,7 +393,7 @@ def _needs_per_test_hooks(config: pytest.Config, items: list[pytest.Item]) -> bo
 class _PerTestHooks:
     """The hooks that run for every test: registered only in sessions that can need them."""
 
-    def __init__(self, state: GuardSession) -> None:
+    def __init__(self, state: SessionState) -> None:
         from . import exceptions, session
 
         self.state = state
@@ -483,9 +484,9 @@ class _PerTestHooks:
         return report
 
     def _mark_hang(self, item: pytest.Item, report: pytest.TestReport, hang: HangReport) -> None:
-        from . import testreport
+        from .report import handoff
 
-        testreport.mark_hang(item, report, hang, self.state.json_path(hang, item.nodeid))
+        handoff.mark_hang(item, report, hang, self.state.json_path(hang, item.nodeid))
         self.state.hangs.append((item.nodeid, hang.headline))
         hunter = _hunter(item.config)
         if hunter is not None:
@@ -496,17 +497,17 @@ class _PerTestHooks:
         item_settings = pyfuncitem.stash.get(_ITEM_SETTINGS, None)
         if item_settings is None or not item_settings.isolate:
             return None
-        from . import fixtures
+        from .runner import api
 
         names = pyfuncitem._fixtureinfo.argnames
         funcargs = {name: pyfuncitem.funcargs[name] for name in names}
         held = pyfuncitem.stash.get(self._key, None)
         due = held.deadline if held is not None else math.inf
         timeout = (
-            max(due - time.monotonic() - fixtures.MARGIN_S, 0.1)
+            max(due - time.monotonic() - api.MARGIN_S, 0.1)
             if due < math.inf
-            else fixtures.DEFAULT_TIMEOUT_S
+            else api.DEFAULT_TIMEOUT_S
         )
         runner = self.state.get_runner()
-        fixtures.run_isolated(runner, pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout, held)
+        api.run_isolated(runner, pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout, held)
         return True

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, ClassVar, TypeVar
 
-from . import _hook
-from .proctree import become_subreaper
+from .capture.tree import become_subreaper
+from .inject import hook
 
 #: Sent to a pytest thread to raise HangError where it is blocked.
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 6
-INJECT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inject")
+INJECT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject", "site")
 
 #: Called in the interrupted thread: the exception to raise there, or None (not its turn).
 Receiver = Callable[[], BaseException | None]
@@ -62,7 +62,7 @@ def release(receiver: Receiver) -> None:
 
 def _set_up() -> None:
     _Shared.dump_dir = tempfile.mkdtemp(prefix="torchhang-")
-    _hook.install(_Shared.dump_dir)
+    hook.install(_Shared.dump_dir)
     become_subreaper()
     if threading.current_thread() is threading.main_thread():
         # One handler for the process: a late interrupt (the test ended just as the watchdog
@@ -72,10 +72,10 @@ def _set_up() -> None:
         _Shared.handler_installed = True
     current = os.environ.get("PYTHONPATH")
     values = {
-        _hook.DUMP_DIR_ENV: _Shared.dump_dir,
+        hook.DUMP_DIR_ENV: _Shared.dump_dir,
         "PYTHONPATH": INJECT_DIR + (os.pathsep + current if current else ""),
     }
-    for key, value in _hook.guarded_env().items():
+    for key, value in hook.guarded_env().items():
         if key not in os.environ:  # the user's own setting wins
             values[key] = value
     _Shared.saved_env = {key: os.environ.get(key) for key in values}
@@ -89,7 +89,7 @@ def _tear_down() -> None:
         else:
             os.environ[key] = value
     _Shared.saved_env = {}
-    _hook.uninstall()
+    hook.uninstall()
     if _Shared.handler_installed:
         signal.signal(INTERRUPT_SIGNAL, _Shared.previous_handler or signal.SIG_DFL)
         _Shared.handler_installed = False

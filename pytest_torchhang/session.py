@@ -13,14 +13,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from . import _progress, deadline, settings
+from . import deadline, settings
+from .inject import beats
 
 # The guard's own modules (psutil, the diagnosis, the runner) are imported when a test is first
 # guarded: a session without a timeout never pays for them.
 if TYPE_CHECKING:
-    from . import proctree, runner
-    from .monitor import MonitorClient
-    from .report import HangReport
+    from .capture import tree
+    from .monitor.client import MonitorClient
+    from .report.model import HangReport
+    from .runner import client
     from .watchdog import TestDeadline, Watchdog
 
 #: How long a test report waits for a capture in progress (capture + kill) to finish.
@@ -53,7 +55,7 @@ def _sigchld_ignored() -> Iterator[None]:
 
 
 @dataclass
-class GuardSession:
+class SessionState:
     """Per-config state of the guard, kept in the config's stash."""
 
     config: pytest.Config
@@ -73,16 +75,16 @@ class GuardSession:
     started_by_tests: set[tuple[int, int]] = field(default_factory=set)
     leftovers: list[str] = field(default_factory=list)  # what was killed at the end, described
     notes: list[str] = field(default_factory=list)  # the guard's own troubles, said once
-    subprocess_runner: runner.Runner | None = None
+    subprocess_runner: client.Runner | None = None
     _boards: int = 0  # progress boards made so far: each test gets a new file
-    _births_after: proctree.Births | None = None  # the last guarded test's closing snapshot
+    _births_after: tree.Births | None = None  # the last guarded test's closing snapshot
 
-    def get_runner(self) -> runner.Runner:
+    def get_runner(self) -> client.Runner:
         """The subprocess runner (and its zygote), created on first use."""
         if self.subprocess_runner is None:
-            from . import runner
+            from .runner import client
 
-            self.subprocess_runner = runner.Runner(self.paused_deadline)
+            self.subprocess_runner = client.Runner(self.paused_deadline)
             if self.dump_dir is not None:
                 self.subprocess_runner.use_dump_dir(self.dump_dir)
         return self.subprocess_runner
@@ -101,7 +103,7 @@ class GuardSession:
         if self.watchdog is not None:
             return self.watchdog
         from . import processwide
-        from .monitor import MonitorClient
+        from .monitor.client import MonitorClient
         from .watchdog import Watchdog
 
         self.dump_dir = processwide.acquire(self._take_error)
@@ -121,13 +123,13 @@ class GuardSession:
             )
         return self.watchdog
 
-    def _take_births(self) -> proctree.Births:
+    def _take_births(self) -> tree.Births:
         """What runs before this test: the snapshot the previous guarded test ended with, when
         nothing ran since (one walk of /proc per test instead of two), else a fresh one."""
-        from . import proctree
+        from .capture import tree
 
         births, self._births_after = self._births_after, None
-        return births if births is not None else proctree.births(os.getpid(), self._monitor_pid())
+        return births if births is not None else tree.births(os.getpid(), self._monitor_pid())
 
     def forget_births(self) -> None:
         """An unguarded test ran: the last snapshot is stale."""
@@ -158,12 +160,12 @@ class GuardSession:
             held.target.timeout_s = held.state.timeout_s
             watchdog.arm(held)
             return held
-        from . import guard
+        from .capture import pipeline
         from .watchdog import TestDeadline
 
         now = time.monotonic()
         state = deadline.start(now, {source: timeout_s}, stall_s)
-        target = guard.GuardTarget(
+        target = pipeline.CaptureTarget(
             test_id=item.nodeid,
             timeout_s=state.timeout_s,
             root_pid=os.getpid(),
@@ -191,14 +193,14 @@ class GuardSession:
     @contextlib.contextmanager
     def fixture_processes(self) -> Iterator[None]:
         """Count what starts meanwhile (a higher-scoped fixture's setup) as context."""
-        from . import proctree
+        from .capture import tree
 
         me = os.getpid()
-        before = proctree.births(me)
+        before = tree.births(me)
         try:
             yield
         finally:
-            new = proctree.births(me) - before
+            new = tree.births(me) - before
             held = self.current
             if new and held is not None:
                 held.target.before = (held.target.before or frozenset()) | new
@@ -212,27 +214,27 @@ class GuardSession:
         if self.current is held:
             self.current = None
 
-    def _progress_board(self) -> _progress.Reader:
+    def _progress_board(self) -> beats.Reader:
         """A new progress board for the test about to run, named in its environment: processes
         an earlier test left running keep beating into that test's board, never this one."""
         assert self.dump_dir is not None
         self._boards += 1
-        return _progress.new_board(self.dump_dir, self._boards)
+        return beats.new_board(self.dump_dir, self._boards)
 
     def finish(self, held: TestDeadline) -> None:
         """The test is over: lift its deadline, remember what it left running."""
         if held.board is not None:
-            _progress.end_board(held.board)  # a capture still running reads its last state
+            beats.end_board(held.board)  # a capture still running reads its last state
         if self.settings.hunt_stress:
             os.environ.pop(STRESS_ENV, None)
         self.disarm(held)
         if held.fired:
             held.wait_for_capture(PIPELINE_WAIT_S)
         before = held.target.before or frozenset()
-        from . import proctree
+        from .capture import tree
 
         own = self.own_pids(start=False)
-        now = proctree.births(os.getpid(), self._monitor_pid())
+        now = tree.births(os.getpid(), self._monitor_pid())
         self.started_by_tests |= {birth for birth in now - before if birth[0] not in own}
         self._births_after = now  # the next test's "before", if it follows at once
 
@@ -267,29 +269,29 @@ class GuardSession:
         self.hang_files += 1
         worker = xdist_worker(self.config) or "main"
         tag = f"{worker}-{os.getpid()}-{self.hang_files}"
-        from . import testreport
+        from .report import handoff
 
-        return testreport.write_json(self.settings.report_dir, hang, nodeid, tag)
+        return handoff.write_json(self.settings.report_dir, hang, nodeid, tag)
 
     def kill_leftovers(self) -> None:
         """Kill what guarded tests started and left running; never what they did not start."""
         if self.watchdog is None or not self.started_by_tests:
             return
-        from . import proctree
+        from .capture import tree
 
         me = os.getpid()
-        alive = proctree.births(me)
+        alive = tree.births(me)
         seeds = alive & self.started_by_tests
         if not seeds:
             return
-        theirs = proctree.births_below(pid for pid, _ in seeds)
+        theirs = tree.births_below(pid for pid, _ in seeds)
         own = self.own_pids(start=False)
         described = {}
-        for proc in proctree.descendants(me, own, alive - theirs):
+        for proc in tree.descendants(me, own, alive - theirs):
             with contextlib.suppress(Exception):
                 described[proc.pid] = " ".join(proc.cmdline())[:200]
         with _sigchld_ignored():
-            result = proctree.kill_tree(me, exclude=own, before=alive - theirs)
+            result = tree.kill_tree(me, exclude=own, before=alive - theirs)
         self.leftovers = [f"{p.pid}: {described.get(p.pid, '?')}" for p in result.killed]
 
     def close(self) -> None:
@@ -297,10 +299,11 @@ class GuardSession:
             self.subprocess_runner.close()
         if self.watchdog is None:
             return
-        from . import processwide, proctree
+        from . import processwide
+        from .capture import tree
 
         self.watchdog.stop()
         if self.monitor is not None:
             self.monitor.stop()
         processwide.release(self._take_error)
-        proctree.reap_orphans()
+        tree.reap_orphans()

@@ -18,12 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _progress, deadline, guard, processwide
+from . import deadline, processwide
+from .capture import pipeline
 from .deadline import Action, Decision, Event, Kind, Phase, Source
 from .exceptions import HangError
-from .monitor import MonitorClient
+from .inject import beats
+from .monitor.client import MonitorClient
 from .processwide import INTERRUPT_SIGNAL
-from .report import HangReport
+from .report.model import HangReport
 
 #: Stall detection looks at the progress board at least this often, keeping this many samples.
 SAMPLE_EVERY_S = 5.0
@@ -40,7 +42,7 @@ class TestDeadline:
 
     __test__ = False  # not a test class, whatever pytest's collection thinks of the name
 
-    target: guard.GuardTarget
+    target: pipeline.CaptureTarget
     state: deadline.State
     thread_id: int  # the thread that runs the test (pytest's main thread, or the one it runs in)
     item: Any = None  # the pytest item, for hooks that get none (pytest_enter_pdb)
@@ -48,7 +50,7 @@ class TestDeadline:
     attached: int = 0  # how many of ``reports`` a pytest report carries already
     #: Set while no capture is in progress; made at the first fire (most tests never fire).
     done: threading.Event | None = None
-    board: _progress.Reader | None = None
+    board: beats.Reader | None = None
     #: (seconds since the test began, beats per kind) every few seconds: the stall report's history
     samples: list[tuple[float, list[int]]] = field(default_factory=list)
     #: decisions with an action taken on another thread than the watchdog's, for it to execute
@@ -321,7 +323,7 @@ class Watchdog:
                 if decision.action is Action.FIRE:
                     self._fire(held, decision.kind is Kind.STALL)
                 elif decision.action is Action.REKILL:
-                    guard.kill(held.target)
+                    pipeline.kill(held.target)
                 self._interrupt(held)
             except Exception as exc:  # the watchdog must outlive its own failures
                 self._errors.append(f"the watchdog failed on {held.target.test_id}: {exc!r}")
@@ -341,7 +343,7 @@ class Watchdog:
             target.extra_roots = [pid for pids in held.call_children.values() for pid in pids]
         skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
         try:
-            report = guard.capture(target, skip_threads=skip)
+            report = pipeline.capture(target, skip_threads=skip)
         except Exception as exc:  # report what is known, and still kill the tree
             report = _failed_report(held, exc)
         if stalled:
@@ -349,7 +351,7 @@ class Watchdog:
         elif held.state.fire_source is Source.PYTEST_TIMEOUT:
             report.notes.append("the deadline came from pytest-timeout (--timeout or its marker)")
         try:
-            guard.kill(target, report)
+            pipeline.kill(target, report)
         except Exception as exc:
             report.notes.append(f"pytest-torchhang could not kill the tree: {exc!r}")
         held.fire_done(report)
@@ -419,7 +421,7 @@ def _as_stall(report: HangReport, held: TestDeadline) -> None:
     report.kind = "stall"
     report.progress = {
         "stall_s": held.state.stall_s,
-        "kinds": list(_progress.KINDS),
+        "kinds": list(beats.KINDS),
         "counts": snapshot.counts if snapshot is not None else [],
         "last": progress,
         "history": [{"t": round(t, 3), "counts": counts} for t, counts in held.samples],

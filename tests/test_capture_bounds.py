@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchhang import guard, procfs, waits
+from pytest_torchhang.capture import pipeline, procfs, waitgraph
 
 _LOOKUP, _FORGET, _GETATTR, _OPEN, _READ, _INIT = 1, 2, 3, 14, 15, 26
 _NO_REPLY = {_FORGET, 36, 42}  # FORGET, INTERRUPT, BATCH_FORGET
@@ -129,7 +129,7 @@ def test_the_wait_for_graph_of_a_process_stuck_on_an_unserved_page_is_read_in_bo
     stuck_child: int,
 ) -> None:
     started = time.monotonic()
-    evidence = waits.read([stuck_child], budget_s=0.5)
+    evidence = waitgraph.read([stuck_child], budget_s=0.5)
     assert time.monotonic() - started < 0.5 + 1.0
     (task,) = evidence.members[stuck_child].tasks[:1]
     assert task.call == "poll"
@@ -150,7 +150,7 @@ def test_a_read_of_its_memory_is_abandoned_and_said_so(stuck_child: int) -> None
 def test_the_whole_capture_of_it_is_bounded_and_reports_what_it_could_not_read(
     stuck_child: int,
 ) -> None:
-    target = guard.GuardTarget(
+    target = pipeline.CaptureTarget(
         test_id="t",
         timeout_s=1.0,
         root_pid=stuck_child,
@@ -159,7 +159,7 @@ def test_the_whole_capture_of_it_is_bounded_and_reports_what_it_could_not_read(
         root_in_process=False,
         capture_budget_s=1.0,
     )
-    report = procfs.call_with_timeout(20.0, guard.capture, target)
+    report = procfs.call_with_timeout(20.0, pipeline.capture, target)
     # bounded: the wait-for graph, facts and stacks within their budgets (the time left over
     # is pystack/py-spy's own bounded attempt at a Python process without the dump handler)
     assert report.capture_s < 10.0

@@ -16,10 +16,11 @@ import psutil
 import pytest
 
 from conftest import GuardedRunner, Session, assert_hang
-from pytest_torchhang import _hook, proctree, stacks
-from pytest_torchhang import report as report_module
-from pytest_torchhang.proctree import ProcessId
-from pytest_torchhang.report import MAX_TEXT_CHARS
+from pytest_torchhang.capture import stacks, tree
+from pytest_torchhang.capture.tree import ProcessId
+from pytest_torchhang.inject import hook
+from pytest_torchhang.report import model as report_module
+from pytest_torchhang.report.model import MAX_TEXT_CHARS
 
 # Records how long each test's call took, so the outer test can tell a crash that ended at once
 # from one that sat until its deadline.
@@ -473,7 +474,7 @@ SLOW_ZYGOTE = """
 import time
 
 with open("/proc/self/cmdline", "rb") as cmdline:
-    if b"pytest_torchhang.zygote" in cmdline.read():
+    if b"pytest_torchhang.runner.zygote" in cmdline.read():
         time.sleep(3)
 """
 
@@ -520,7 +521,7 @@ WITNESS = (
 @pytest.fixture
 def witness() -> Iterator[subprocess.Popen[bytes]]:
     """A process that must survive and notes the dump signal and the marker it receives."""
-    args = [str(int(_hook.DUMP_SIGNAL)), str(int(MARKER))]
+    args = [str(int(hook.DUMP_SIGNAL)), str(int(MARKER))]
     proc = subprocess.Popen(
         [sys.executable, "-c", WITNESS, *args], stdout=subprocess.PIPE, bufsize=0
     )
@@ -575,12 +576,12 @@ def _wait_until_stopped(pid: int) -> None:
 
 def test_a_recycled_pid_is_never_signalled(witness: subprocess.Popen[bytes]) -> None:
     ident = _recycled(witness.pid)
-    for sig in (signal.SIGSTOP, signal.SIGKILL, _hook.DUMP_SIGNAL):
-        assert not proctree.signal_process(ident, sig)
+    for sig in (signal.SIGSTOP, signal.SIGKILL, hook.DUMP_SIGNAL):
+        assert not tree.signal_process(ident, sig)
     assert _answers_the_marker(witness) == []  # neither stopped, killed nor asked for a dump
     real = ProcessId(witness.pid, psutil.Process(witness.pid).create_time())
-    assert proctree.signal_process(real, _hook.DUMP_SIGNAL)  # the check is on identity, not pid
-    assert _answers_the_marker(witness) == [str(int(_hook.DUMP_SIGNAL))]
+    assert tree.signal_process(real, hook.DUMP_SIGNAL)  # the check is on identity, not pid
+    assert _answers_the_marker(witness) == [str(int(hook.DUMP_SIGNAL))]
 
 
 def test_kill_tree_spares_a_process_whose_pid_was_recycled_after_its_snapshot(
@@ -597,7 +598,7 @@ def test_kill_tree_spares_a_process_whose_pid_was_recycled_after_its_snapshot(
     try:
         assert root.stdout is not None
         victim, doomed = (int(word) for word in root.stdout.readline().split())
-        real_identify = proctree.identify
+        real_identify = tree.identify
 
         def identify(procs: list[psutil.Process]) -> dict[int, ProcessId]:
             found = real_identify(procs)
@@ -605,8 +606,8 @@ def test_kill_tree_spares_a_process_whose_pid_was_recycled_after_its_snapshot(
                 found[victim] = _recycled(victim)
             return found
 
-        monkeypatch.setattr(proctree, "identify", identify)
-        result = proctree.kill_tree(root.pid, budget_s=2.0)
+        monkeypatch.setattr(tree, "identify", identify)
+        result = tree.kill_tree(root.pid, budget_s=2.0)
         assert [ident.pid for ident in result.killed] == [doomed]
         assert victim not in {ident.pid for ident in result.survivors}
         # neither stopped nor killed
@@ -630,20 +631,20 @@ def test_a_dump_request_never_signals_a_recycled_pid(
     code = (
         "import signal, sys\n"
         "from pytest_torchhang import _hook\n"
-        "assert _hook.install(sys.argv[1])\n"
+        "assert hook.install(sys.argv[1])\n"
         "signal.signal(int(sys.argv[2]), lambda signum, frame: print(signum, flush=True))\n"
         "print('ready', flush=True)\n"
         "while True:\n"
         "    signal.pause()\n"
     )
-    monkeypatch.delenv(_hook.DUMP_DIR_ENV, raising=False)
+    monkeypatch.delenv(hook.DUMP_DIR_ENV, raising=False)
     child = subprocess.Popen(
         [sys.executable, "-c", code, dump_dir, str(int(MARKER))], stdout=subprocess.PIPE, bufsize=0
     )
     try:
         assert _read_line(child) == "ready"
-        dump_file = _hook.dump_path(dump_dir, child.pid)
-        assert stacks.handles_signal(child.pid, _hook.DUMP_SIGNAL)
+        dump_file = hook.dump_path(dump_dir, child.pid)
+        assert stacks.handles_signal(child.pid, hook.DUMP_SIGNAL)
 
         # running, then stopped (a stopped process would also be sent SIGCONT)
         for stopped in (False, True):

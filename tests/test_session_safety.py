@@ -297,7 +297,8 @@ import time
 
 import pytest
 
-from pytest_torchhang import _hook, stacks
+from pytest_torchhang.inject import hook
+from pytest_torchhang.capture import stacks
 
 pytest_plugins = ["pytester"]
 
@@ -315,8 +316,8 @@ def test_runs_an_inner_session_then_hangs(pytester):
     inner.assert_outcomes(failed=1)
     assert "left running by tests" not in inner.stdout.str()
     # the outer session's guard is intact: its dump hook still answers ...
-    assert stacks.handles_signal(os.getpid(), _hook.DUMP_SIGNAL)
-    assert os.environ.get(_hook.DUMP_DIR_ENV)
+    assert stacks.handles_signal(os.getpid(), hook.DUMP_SIGNAL)
+    assert os.environ.get(hook.DUMP_DIR_ENV)
     # ... and its own deadline still fires
     time.sleep(60)
 
@@ -389,7 +390,7 @@ def test_ctrl_c_gives_pytests_own_summary_and_no_helper_tracebacks(
             proc.wait()
     text = out.decode(errors="replace")
     assert "KeyboardInterrupt" in text, text
-    for helper in ("pytest_torchhang/monitor.py", "pytest_torchhang/zygote.py"):
+    for helper in ("pytest_torchhang/monitor/", "pytest_torchhang/runner/zygote.py"):
         assert helper not in text, text
 
 
@@ -437,11 +438,11 @@ def test_a_relative_report_dir_stays_where_pytest_was_invoked(guarded: GuardedRu
 HOOK_HELPERS = """
 import os
 
-from pytest_torchhang import _hook
+from pytest_torchhang.inject import hook
 
 
 def open_dump_files():
-    dump_dir = os.environ[_hook.DUMP_DIR_ENV]
+    dump_dir = os.environ[hook.DUMP_DIR_ENV]
     paths = []
     for fd in os.listdir("/proc/self/fd"):
         try:

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from pytest_torchhang import waits
-from pytest_torchhang.report import TaskWait
+from pytest_torchhang.capture import waitgraph
+from pytest_torchhang.report.model import TaskWait
 
 FORK = mp.get_context("fork")
 
@@ -26,7 +26,7 @@ def _blocked(pid: int, call: str, timeout: float = 10.0) -> None:
     """Wait until ``pid``'s main thread sits in ``call`` (the machine may be loaded)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        task = waits.read([pid]).members[pid].tasks
+        task = waitgraph.read([pid]).members[pid].tasks
         if task and task[0].call == call:
             return
         time.sleep(0.02)
@@ -34,7 +34,7 @@ def _blocked(pid: int, call: str, timeout: float = 10.0) -> None:
 
 
 def _main(pid: int, **kw: object) -> TaskWait:
-    member = waits.read([pid], **kw).members[pid]  # type: ignore[arg-type]
+    member = waitgraph.read([pid], **kw).members[pid]  # type: ignore[arg-type]
     return next(t for t in member.tasks if t.tid == pid)
 
 
@@ -61,7 +61,7 @@ def test_a_reader_waits_for_the_processes_that_hold_the_write_end() -> None:
             assert task.wchan == "anon_pipe_read" or not task.wchan
             assert f"fd {r}: pipe:[" in task.obj
             assert [e.pid for e in task.waits_for] == [-1]  # the writer is not in the tree read
-            graph = waits.read([reader, writer.pid])
+            graph = waitgraph.read([reader, writer.pid])
             assert {e.pid for e in graph.members[reader].tasks[0].waits_for} == {writer.pid}
             assert graph.members[writer.pid].tasks[0].call in ("clock_nanosleep", "nanosleep")
     finally:
@@ -105,13 +105,13 @@ def test_a_stopped_process_and_a_zombie_child_keep_their_facts() -> None:
         os.kill(killed.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            graph = waits.read([os.getpid(), stopped.pid])
+            graph = waitgraph.read([os.getpid(), stopped.pid])
             if {dead.pid, killed.pid} <= set(graph.members) and graph.members[stopped.pid].stopped:
                 break
             time.sleep(0.05)
         assert graph.members[stopped.pid].stopped
-        assert waits.describe_exit(graph.members[dead.pid].exit_code) == "exited with code 3"
-        assert waits.describe_exit(graph.members[killed.pid].exit_code) == "killed by SIGKILL"
+        assert waitgraph.describe_exit(graph.members[dead.pid].exit_code) == "exited with code 3"
+        assert waitgraph.describe_exit(graph.members[killed.pid].exit_code) == "killed by SIGKILL"
     finally:
         for proc in (stopped, dead, killed):
             proc.kill()
@@ -137,7 +137,7 @@ def test_flock_waiters_point_at_the_holder() -> None:
                 task = _main(waiter)
                 assert task.obj == f"file lock on {lockfile.name}"
                 assert [e.pid for e in task.waits_for] in ([holder.pid], [-1])
-                graph = waits.read([waiter, holder.pid])
+                graph = waitgraph.read([waiter, holder.pid])
                 assert [e.pid for e in graph.members[waiter].tasks[0].waits_for] == [holder.pid]
         finally:
             holder.kill()
@@ -157,7 +157,7 @@ def test_a_multiprocessing_semaphore_wait_points_at_every_process_that_maps_it()
         pids = [p.pid for p in procs if p.pid]
         for pid in pids:
             _blocked(pid, "futex")
-        graph = waits.read([os.getpid(), *pids], skip_tids={threading.get_native_id()})
+        graph = waitgraph.read([os.getpid(), *pids], skip_tids={threading.get_native_id()})
         task = graph.members[pids[0]].tasks[0]
         assert "/dev/shm/sem." in task.obj
         assert {os.getpid(), pids[1]} <= {e.pid for e in task.waits_for}
@@ -174,16 +174,16 @@ def test_a_parent_in_wait4_waits_for_its_child() -> None:
         _blocked(parent.pid, "wait4")
         task = _main(parent.pid)
         (edge,) = task.waits_for
-        assert edge.via.startswith("its exit") and edge.pid in waits._children(parent.pid)
+        assert edge.via.startswith("its exit") and edge.pid in waitgraph._children(parent.pid)
     finally:
-        for child in waits._children(parent.pid):
+        for child in waitgraph._children(parent.pid):
             os.kill(child, signal.SIGKILL)
         parent.kill()
         parent.wait()
 
 
 def test_python_threads_are_matched_to_their_kernel_threads() -> None:
-    from pytest_torchhang.stacks import in_process_threads
+    from pytest_torchhang.capture.stacks import in_process_threads
 
     event = threading.Event()
     thread = threading.Thread(target=event.wait, name="waiter")
@@ -192,8 +192,8 @@ def test_python_threads_are_matched_to_their_kernel_threads() -> None:
         stacks = in_process_threads()
         for stack in stacks:
             stack.tid = 0  # as a faulthandler dump has them: idents only
-        member = waits.read([os.getpid()]).members[os.getpid()]
-        waits.match_threads(os.getpid(), stacks, member.tasks)
+        member = waitgraph.read([os.getpid()]).members[os.getpid()]
+        waitgraph.match_threads(os.getpid(), stacks, member.tasks)
         task = next(t for t in member.tasks if t.tid == thread.native_id)
         assert task.python_thread == hex(thread.ident or 0)
     finally:
@@ -206,7 +206,7 @@ def test_the_read_is_fast_and_bounded(processes: int) -> None:
     children = [subprocess.Popen(["sleep", "30"]) for _ in range(processes)]
     try:
         start = time.monotonic()
-        graph = waits.read([c.pid for c in children])
+        graph = waitgraph.read([c.pid for c in children])
         took = time.monotonic() - start
         assert len(graph.members) == processes
         assert took < 5.0  # a loaded 2-core machine; bench/bench_capture.py has the real figures
@@ -223,7 +223,7 @@ def test_a_fifo_reader_waits_for_the_processes_that_opened_it_for_writing(tmp_pa
     writer = subprocess.Popen(["sh", "-c", f"exec 3>{fifo}; sleep 30"])
     try:
         _blocked(reader.pid, "read")
-        task = waits.read([reader.pid, writer.pid]).members[reader.pid].tasks[0]
+        task = waitgraph.read([reader.pid, writer.pid]).members[reader.pid].tasks[0]
         assert task.obj.endswith(f": {fifo}")
         assert [e.pid for e in task.waits_for] == [writer.pid]
     finally:
@@ -260,7 +260,7 @@ def test_unix_socket_and_tcp_peers_are_found() -> None:
         with _child(lambda: left.recv(1)) as unix_reader, _child(lambda: client.recv(1)) as tcp:
             _blocked(unix_reader, "recvfrom")
             _blocked(tcp, "recvfrom")
-            graph = waits.read([unix_reader, tcp, holder.pid])
+            graph = waitgraph.read([unix_reader, tcp, holder.pid])
             unix_edges = graph.members[unix_reader].tasks[0].waits_for
             tcp_edges = graph.members[tcp].tasks[0].waits_for
             assert [(e.pid, e.via.split(" ")[0]) for e in unix_edges] == [(holder.pid, "unix")]

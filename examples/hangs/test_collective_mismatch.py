@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
-    from pytest_torchhang.fixtures import TorchHang
+    from pytest_torchhang.runner.api import TorchHang
 
 
 def epoch_end_with_a_rank_dependent_branch(rank: int, world_size: int) -> None:

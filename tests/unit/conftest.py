@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_torchhang.report import HangReport, Hint, ProcessReport
+    from pytest_torchhang.report.model import HangReport, Hint, ProcessReport
 
 DATA = Path(__file__).parent / "data"
 #: Real hang reports written by the plugin (``record.py`` says how and when to re-record).
@@ -33,9 +33,9 @@ def recorded_ids(paths: list[Path]) -> list[str]:
 
 def diagnosis_digest() -> str:
     """A digest of the diagnosis code, to tell whether the recordings were diagnosed by it."""
-    from pytest_torchhang import diagnose
+    from pytest_torchhang.diagnosis import engine
 
-    return hashlib.sha256(Path(diagnose.__file__).read_bytes()).hexdigest()
+    return hashlib.sha256(Path(engine.__file__).read_bytes()).hexdigest()
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Replay:
 
     @staticmethod
     def load(path: Path) -> HangReport:
-        from pytest_torchhang.report import HangReport
+        from pytest_torchhang.report.model import HangReport
 
         return HangReport.from_json(json.loads(path.read_text()))
 
@@ -54,21 +54,21 @@ class Replay:
     def diagnosed(report: HangReport) -> list[ProcessReport]:
         """The processes the capture diagnosed: the test's own, not the context facts of
         processes that existed before the test (added to the report after the diagnosis)."""
-        from pytest_torchhang.guard import CONTEXT_ROLE
+        from pytest_torchhang.capture.pipeline import CONTEXT_ROLE
 
         return [p for p in report.processes if not p.role.startswith(CONTEXT_ROLE)]
 
     def hints(self, report: HangReport) -> list[Hint]:
-        from pytest_torchhang import diagnose
+        from pytest_torchhang.diagnosis import engine
 
-        return diagnose.hints(self.diagnosed(report))
+        return engine.hints(self.diagnosed(report))
 
     def headline(self, report: HangReport) -> str:
-        from pytest_torchhang import diagnose
+        from pytest_torchhang.diagnosis import engine
 
         (root,) = [p for p in report.processes if p.role.split(" (")[0] == "pytest"]
         phase = f" (during {report.phase})" if report.phase != "call" else ""
-        return diagnose.headline(
+        return engine.headline(
             report.test_id + phase, report.elapsed_s, self.diagnosed(report), root.pid
         )
 
@@ -85,15 +85,15 @@ def replay(monkeypatch: pytest.MonkeyPatch) -> Iterator[Replay]:
     the last is answered from the recordings, taken on a machine where no process of the corpus
     loaded libcuda (its tests never touch a GPU).
     """
-    from pytest_torchhang import diagnose
+    from pytest_torchhang.diagnosis import engine
 
     machine = json.loads(RECORDING.read_text())
-    monkeypatch.setattr(diagnose, "_STDLIB", machine["stdlib"])
-    monkeypatch.setattr(diagnose, "_maps_cuda", lambda pid: False)
+    monkeypatch.setattr(engine, "_STDLIB", machine["stdlib"])
+    monkeypatch.setattr(engine, "_maps_cuda", lambda pid: False)
     for filename, text in machine["sources"].items():
         lines = text.splitlines(keepends=True)
         # mtime None: linecache.checkcache leaves the entry alone
         monkeypatch.setitem(linecache.cache, filename, (len(text), None, lines, filename))
-    diagnose._enclosing_class.cache_clear()
+    engine._enclosing_class.cache_clear()
     yield Replay(machine)
-    diagnose._enclosing_class.cache_clear()
+    engine._enclosing_class.cache_clear()

@@ -114,9 +114,9 @@ def first_reports(reports: Path) -> dict[str, Path]:
 
 def read_by_diagnosis(docs: list[dict[str, Any]]) -> set[str]:
     """The source files the diagnosis reads (through linecache) when it runs on ``docs``."""
-    from pytest_torchhang import diagnose
-    from pytest_torchhang.guard import CONTEXT_ROLE
-    from pytest_torchhang.report import HangReport
+    from pytest_torchhang.capture.pipeline import CONTEXT_ROLE
+    from pytest_torchhang.diagnosis import engine
+    from pytest_torchhang.report.model import HangReport
 
     read: set[str] = set()
     real = linecache.updatecache
@@ -126,12 +126,12 @@ def read_by_diagnosis(docs: list[dict[str, Any]]) -> set[str]:
         return real(filename, module_globals)
 
     linecache.clearcache()
-    diagnose._enclosing_class.cache_clear()
+    engine._enclosing_class.cache_clear()
     linecache.updatecache = spy
     try:
         for doc in docs:
             processes = HangReport.from_json(doc).processes
-            diagnose.hints([p for p in processes if not p.role.startswith(CONTEXT_ROLE)])
+            engine.hints([p for p in processes if not p.role.startswith(CONTEXT_ROLE)])
     finally:
         linecache.updatecache = real
     return read
@@ -186,7 +186,7 @@ def main() -> int:
             path = DATA / f"{name}.json"
             shutil.copyfile(found[name], path)  # as the plugin wrote it, byte for byte
             total += path.stat().st_size
-        diagnosis = HERE.parent.parent / "pytest_torchhang" / "diagnose.py"
+        diagnosis = HERE.parent.parent / "pytest_torchhang" / "engine.py"
         machine = {
             # the replay checks for an exact match only while this is the diagnosis code
             "diagnose_sha256": hashlib.sha256(diagnosis.read_bytes()).hexdigest(),

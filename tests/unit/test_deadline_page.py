@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from pytest_torchhang.monitor import DeadlineBoard
+from pytest_torchhang.monitor.page import DeadlineBoard
 
 ROUNDS = 3000
 

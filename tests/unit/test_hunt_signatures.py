@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from pytest_torchhang import diagnose
+from pytest_torchhang.diagnosis import engine
 from pytest_torchhang.hunt import base_id, role_kind, run_number, signature, wilson
-from pytest_torchhang.report import HangReport
+from pytest_torchhang.report.model import HangReport
 
 from .conftest import RECORDED, RECORDING, recorded_ids
 
@@ -156,8 +156,8 @@ def test_the_same_hang_elsewhere_has_the_same_signature(
     moves = {stdlib: "/opt/python3.99/lib/python3.99", "/tmp/": "/home/someone/checkout/"}
     here = HangReport.from_json(doc)
     there = HangReport.from_json(_elsewhere(doc, moves))
-    monkeypatch.setattr(diagnose, "_STDLIB", "/opt/python3.99/lib/python3.99")
+    monkeypatch.setattr(engine, "_STDLIB", "/opt/python3.99/lib/python3.99")
     for proc in there.processes:
-        proc.stuck_at = diagnose.stuck_at(proc)
+        proc.stuck_at = engine.stuck_at(proc)
     assert [p.pid for p in there.processes] != [p.pid for p in here.processes]
     assert signature(there) == signature(here)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from pytest_torchhang import __main__ as cli
-from pytest_torchhang import hunt, merge
-from pytest_torchhang.report import HangReport
+from pytest_torchhang import hunt
+from pytest_torchhang.report import merge
+from pytest_torchhang.report.model import HangReport
 
 VIEWS_DATA = Path(__file__).parent / "recorded_views"
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchhang import _hook, guard, procfs, proctree, waits
-from pytest_torchhang.report import ProcessReport
+from pytest_torchhang.capture import pipeline, procfs, tree, waitgraph
+from pytest_torchhang.inject import hook
+from pytest_torchhang.report.model import ProcessReport
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def test_stat_is_parsed_past_a_command_name_with_spaces_and_parentheses(
     assert stat.ppid == os.getppid()
     mine = procfs.stat(os.getpid())
     assert mine is not None and stat.start_ticks >= mine.start_ticks
-    assert proctree.start_ticks(os.getpid()) == mine.start_ticks
+    assert tree.start_ticks(os.getpid()) == mine.start_ticks
 
 
 def test_stat_of_a_process_that_is_gone_is_none() -> None:
@@ -173,32 +174,32 @@ def test_the_ownership_snapshot_finds_children_and_grandchildren(
     child, grand = grandchild
     monkeypatch.setattr(procfs, "USE_CHILDREN_FILES", children_files)
     assert procfs.children_files() is children_files
-    births = proctree.births(os.getpid())
+    births = tree.births(os.getpid())
     pids = {pid for pid, _ in births}
     assert {child, grand} <= pids
-    assert (child, proctree.start_ticks(child)) in births
-    assert proctree.births_below([child]) == {
-        (child, proctree.start_ticks(child)),
-        (grand, proctree.start_ticks(grand)),
+    assert (child, tree.start_ticks(child)) in births
+    assert tree.births_below([child]) == {
+        (child, tree.start_ticks(child)),
+        (grand, tree.start_ticks(grand)),
     }
-    assert waits._children(child) == [grand]
-    owned = proctree.descendants(os.getpid(), before=births)
+    assert waitgraph._children(child) == [grand]
+    owned = tree.descendants(os.getpid(), before=births)
     assert child not in {p.pid for p in owned} and grand not in {p.pid for p in owned}
 
 
 def test_child_notes_are_read_back_for_the_report_with_their_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(_hook.DUMP_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(_hook._Registration, "dump_dir", None)
-    _hook.child_note("an earlier test's failure")
+    monkeypatch.setenv(hook.DUMP_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(hook._Registration, "dump_dir", None)
+    hook.child_note("an earlier test's failure")
     time.sleep(0.01)  # notes are stamped to the millisecond: the next test begins later
     since = time.time()
-    _hook.child_note("pytest-torchhang could not wrap init_process_group in pid 1: boom")
+    hook.child_note("pytest-torchhang could not wrap init_process_group in pid 1: boom")
     gone = 999999  # a process already gone: only its file is left
-    Path(_hook.notes_path(str(tmp_path), gone)).write_text(f"{time.time():.3f} listener died\n")
+    Path(hook.notes_path(str(tmp_path), gone)).write_text(f"{time.time():.3f} listener died\n")
     me = ProcessReport(os.getpid(), 0, "rank 0/2", "", "sleeping", 0, 0, 0, 1, 0, "ok")
-    notes = guard.child_notes(str(tmp_path), [me], since)
+    notes = pipeline.child_notes(str(tmp_path), [me], since)
     assert notes == [
         f"pid {os.getpid()} (rank 0/2): pytest-torchhang could not wrap init_process_group "
         "in pid 1: boom",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchhang import _hook, _progress
-from pytest_torchhang._progress import COLLECTIVE, DATALOADER, EXPLICIT, OPTIMIZER
+from pytest_torchhang.inject import beats, hook
+from pytest_torchhang.inject.beats import COLLECTIVE, DATALOADER, EXPLICIT, OPTIMIZER
 
 SECOND = 1_000_000_000  # the board's clock counts nanoseconds
 BOUND_S = 30.0  # how long anything here may take before the test gives up on it
@@ -26,10 +26,10 @@ BOUND_S = 30.0  # how long anything here may take before the test gives up on it
 def boards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A directory for boards; afterwards this process beats into none and its environment
     names none (as the session leaves it between tests)."""
-    monkeypatch.delenv(_progress.PROGRESS_ENV, raising=False)
-    monkeypatch.setattr(_progress._Board, "failures", [])
+    monkeypatch.delenv(beats.PROGRESS_ENV, raising=False)
+    monkeypatch.setattr(beats._Board, "failures", [])
     yield tmp_path
-    _progress.detach()
+    beats.detach()
 
 
 def clock(*seconds: float) -> Callable[[], int]:
@@ -84,18 +84,18 @@ def beat_until_killed(kind: int) -> Callable[[], None]:
         deadline = time.monotonic() + BOUND_S
         while time.monotonic() < deadline:
             for _ in range(100):
-                _progress.beat(kind)
+                beats.beat(kind)
 
     return work
 
 
 def test_counts_first_and_last_times_are_those_of_the_beats(boards: Path) -> None:
-    reader = _progress.new_board(str(boards), 1)
+    reader = beats.new_board(str(boards), 1)
     try:
         assert reader.snapshot().counts == [0, 0, 0, 0] and reader.last() == 0.0
         for at in (10.0, 10.5, 11.0):
-            _progress.beat(OPTIMIZER, _now=clock(at))
-        _progress.beat(DATALOADER, number=7, epoch=3, _now=clock(12.25))
+            beats.beat(OPTIMIZER, _now=clock(at))
+        beats.beat(DATALOADER, number=7, epoch=3, _now=clock(12.25))
         snapshot = reader.snapshot()
         assert snapshot.counts == [1, 3, 0, 0]
         assert snapshot.first[OPTIMIZER] == 10.0 and snapshot.latest[OPTIMIZER] == 11.0
@@ -104,76 +104,76 @@ def test_counts_first_and_last_times_are_those_of_the_beats(boards: Path) -> Non
         assert (snapshot.kind, snapshot.number, snapshot.epoch) == (DATALOADER, 7, 3)
         assert snapshot.pid == os.getpid()
     finally:
-        _progress.end_board(reader)
+        beats.end_board(reader)
 
 
 def test_a_beat_without_a_number_is_numbered_by_its_count(boards: Path) -> None:
-    reader = _progress.new_board(str(boards), 1)
+    reader = beats.new_board(str(boards), 1)
     try:
         for _ in range(5):
-            _progress.beat(COLLECTIVE)
+            beats.beat(COLLECTIVE)
         snapshot = reader.snapshot()
         assert (snapshot.kind, snapshot.number, snapshot.counts[COLLECTIVE]) == (COLLECTIVE, 5, 5)
     finally:
-        _progress.end_board(reader)
+        beats.end_board(reader)
 
 
 def test_rates_are_beats_per_second_between_the_first_and_the_last(boards: Path) -> None:
-    reader = _progress.new_board(str(boards), 1)
+    reader = beats.new_board(str(boards), 1)
     try:
         for step in range(11):  # 10 intervals over 2 s
-            _progress.beat(DATALOADER, number=step + 1, _now=clock(100.0 + step * 0.2))
-        _progress.beat(OPTIMIZER, _now=clock(101.0))
-        _progress.beat(COLLECTIVE, _now=clock(101.0))
-        _progress.beat(COLLECTIVE, _now=clock(101.0))
+            beats.beat(DATALOADER, number=step + 1, _now=clock(100.0 + step * 0.2))
+        beats.beat(OPTIMIZER, _now=clock(101.0))
+        beats.beat(COLLECTIVE, _now=clock(101.0))
+        beats.beat(COLLECTIVE, _now=clock(101.0))
         snapshot = reader.snapshot()
         assert snapshot.rate(DATALOADER) == pytest.approx(5.0)
         assert snapshot.rate(OPTIMIZER) is None  # one beat: no interval yet
         assert snapshot.rate(COLLECTIVE) is None  # no time between them
         assert snapshot.rate(EXPLICIT) is None
     finally:
-        _progress.end_board(reader)
+        beats.end_board(reader)
 
 
 def test_describe_last_names_the_last_beat_and_its_process(boards: Path) -> None:
-    reader = _progress.new_board(str(boards), 1)
+    reader = beats.new_board(str(boards), 1)
     me = os.getpid()
     try:
         assert reader.snapshot().describe_last() == ""
-        _progress.beat(DATALOADER, number=812, epoch=3)
+        beats.beat(DATALOADER, number=812, epoch=3)
         assert reader.snapshot().describe_last() == f"DataLoader batch 812 of epoch 3 (pid {me})"
-        _progress.beat(DATALOADER, number=4)  # no epoch known
+        beats.beat(DATALOADER, number=4)  # no epoch known
         assert reader.snapshot().describe_last() == f"DataLoader batch 4 (pid {me})"
-        _progress.beat(OPTIMIZER)
+        beats.beat(OPTIMIZER)
         assert reader.snapshot().describe_last() == f"optimizer step 1 (pid {me})"
-        _progress.progress("epoch 3, step 120")
+        beats.progress("epoch 3, step 120")
         assert reader.snapshot().describe_last() == f"progress('epoch 3, step 120') (pid {me})"
-        _progress.progress()  # no note: the last one still says where the loop was
+        beats.progress()  # no note: the last one still says where the loop was
         assert reader.snapshot().note == "epoch 3, step 120"
     finally:
-        _progress.end_board(reader)
+        beats.end_board(reader)
 
 
 def test_a_long_note_is_cut_to_its_slot_and_a_mismatched_one_is_not_shown(boards: Path) -> None:
-    reader = _progress.new_board(str(boards), 1)
+    reader = beats.new_board(str(boards), 1)
     try:
-        _progress.progress("é" * 200)  # 400 bytes, cut inside a character
+        beats.progress("é" * 200)  # 400 bytes, cut inside a character
         note = reader.snapshot().note
         assert note.startswith("é" * 127) and len(note.encode()) <= 256 + 2
-        _progress.progress("short")
+        beats.progress("short")
         assert reader.snapshot().note == "short"
         # another process's copy landing over this one's, half way: the text no longer
         # matches its CRC, and the reader says nothing rather than a mix of the two
-        page = _progress._Board.page
+        page = beats._Board.page
         assert page is not None
-        start = _progress._NOTE_AT + _progress._NOTE_HEADER.size
+        start = beats._NOTE_AT + beats._NOTE_HEADER.size
         page[start : start + 3] = b"lon"
         assert reader.snapshot().note == ""
     finally:
-        _progress.end_board(reader)
+        beats.end_board(reader)
 
 
-def _consistent(snapshot: _progress.Snapshot, writers: dict[int, tuple[int, int]]) -> str:
+def _consistent(snapshot: beats.Snapshot, writers: dict[int, tuple[int, int]]) -> str:
     """Why ``snapshot`` is torn ('' when it is not): its last beat must be one writer's whole
     beat (kind, epoch and the parity of the number are what that writer writes), and the
     last time must come with a count and a first time of the last beat's kind."""
@@ -192,7 +192,7 @@ def _consistent(snapshot: _progress.Snapshot, writers: dict[int, tuple[int, int]
 
 
 def test_two_threads_beating_never_give_a_torn_read(boards: Path) -> None:
-    reader = _progress.new_board(str(boards), 1)
+    reader = beats.new_board(str(boards), 1)
     writers = {DATALOADER: (1, 1), COLLECTIVE: (2, 0)}  # kind: (epoch, number parity)
     made = dict.fromkeys(writers, 0)
     stop = threading.Event()
@@ -204,7 +204,7 @@ def test_two_threads_beating_never_give_a_torn_read(boards: Path) -> None:
         while not stop.is_set() and time.monotonic() < deadline:
             for _ in range(100):
                 i += 1
-                _progress.beat(kind, number=2 * i - parity, epoch=epoch)
+                beats.beat(kind, number=2 * i - parity, epoch=epoch)
             made[kind] = i
 
     interval = sys.getswitchinterval()
@@ -226,7 +226,7 @@ def test_two_threads_beating_never_give_a_torn_read(boards: Path) -> None:
     finally:
         stop.set()
         sys.setswitchinterval(interval)
-        _progress.end_board(reader)
+        beats.end_board(reader)
     assert min(seen.get(k, 0) for k in writers) >= 500, f"the reads did not overlap both: {seen}"
     assert not _consistent(final, writers)
     for kind in writers:  # a lost count is possible, a count never made is not
@@ -234,7 +234,7 @@ def test_two_threads_beating_never_give_a_torn_read(boards: Path) -> None:
 
 
 def test_two_processes_beating_never_give_a_torn_read(boards: Path) -> None:
-    reader = _progress.new_board(str(boards), 1)
+    reader = beats.new_board(str(boards), 1)
     writers = {DATALOADER: (1, 1), COLLECTIVE: (2, 0)}
     notes = {DATALOADER: "a" * 17, COLLECTIVE: "b" * 201}
     stop = mmap.mmap(-1, 1)  # shared with the children: a byte the reader sets when done
@@ -247,8 +247,8 @@ def test_two_processes_beating_never_give_a_torn_read(boards: Path) -> None:
             while stop[0] == 0 and time.monotonic() < deadline:
                 for _ in range(100):
                     i += 1
-                    _progress.beat(kind, number=2 * i - parity, epoch=epoch)
-                    _progress.progress(notes[kind])
+                    beats.beat(kind, number=2 * i - parity, epoch=epoch)
+                    beats.progress(notes[kind])
 
         return work
 
@@ -269,23 +269,23 @@ def test_two_processes_beating_never_give_a_torn_read(boards: Path) -> None:
     finally:
         stop[0] = 1
         statuses = [reap(pid) for pid in pids]
-        _progress.end_board(reader)
+        beats.end_board(reader)
     assert statuses == [0, 0], statuses
     assert min(seen_pids.get(pid, 0) for pid in pids) >= 500, f"reads did not overlap: {seen_pids}"
     assert set(notes.values()) <= seen_notes
 
 
 def test_a_new_board_is_not_fed_by_a_process_attached_to_the_previous_one(boards: Path) -> None:
-    first = _progress.new_board(str(boards), 1)
+    first = beats.new_board(str(boards), 1)
     left = fork(beat_until_killed(EXPLICIT))  # as a worker an earlier test left running
     try:
-        watching = _progress.Reader(first.path)  # stays readable after the file is gone
+        watching = beats.Reader(first.path)  # stays readable after the file is gone
         wait_for(lambda: watching.snapshot().counts[EXPLICIT] >= 100, "the child's beats")
-        _progress.end_board(first)
+        beats.end_board(first)
         assert not os.path.exists(first.path)
-        assert _progress.PROGRESS_ENV not in os.environ
-        second = _progress.new_board(str(boards), 2)
-        assert os.environ[_progress.PROGRESS_ENV] == second.path != first.path
+        assert beats.PROGRESS_ENV not in os.environ
+        second = beats.new_board(str(boards), 2)
+        assert os.environ[beats.PROGRESS_ENV] == second.path != first.path
         after = watching.snapshot().counts[EXPLICIT]
         wait_for(
             lambda: watching.snapshot().counts[EXPLICIT] >= after + 1000,
@@ -293,20 +293,20 @@ def test_a_new_board_is_not_fed_by_a_process_attached_to_the_previous_one(boards
         )
         assert second.snapshot().counts == [0, 0, 0, 0]
         assert second.last() == 0.0
-        _progress.beat(OPTIMIZER)  # this process beats into the new board
+        beats.beat(OPTIMIZER)  # this process beats into the new board
         assert second.snapshot().counts == [0, 1, 0, 0]
-        _progress.end_board(second)
+        beats.end_board(second)
     finally:
         status = reap(left, kill=True)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
 
 
 def test_a_board_that_ended_keeps_its_last_state_for_a_late_report(boards: Path) -> None:
-    reader = _progress.new_board(str(boards), 1)
-    _progress.progress("last words")
-    _progress.end_board(reader)
-    assert not _progress.attach()  # nothing named any more, nothing beaten into
-    _progress.progress("after the test")
+    reader = beats.new_board(str(boards), 1)
+    beats.progress("last words")
+    beats.end_board(reader)
+    assert not beats.attach()  # nothing named any more, nothing beaten into
+    beats.progress("after the test")
     assert reader.snapshot().note == "last words"
     assert reader.snapshot().counts == [0, 0, 0, 1] and reader.last() > 0
 
@@ -319,11 +319,11 @@ def test_a_process_beating_while_boards_are_made_never_dies_of_sigbus(
     between died of SIGBUS (signal 7) within about 1,500 boards here."""
     if make == "create":
         path = str(boards / "board")
-        _progress.create(path)
-        assert _progress.attach(path)
+        beats.create(path)
+        assert beats.attach(path)
     else:  # the same name each time: a reused pid and serial
-        path = _progress.new_board(str(boards), 1).path
-    watching = _progress.Reader(path)
+        path = beats.new_board(str(boards), 1).path
+    watching = beats.Reader(path)
     writer = fork(beat_until_killed(DATALOADER))  # beats into this process's board, inherited
     made = 0
     try:
@@ -331,9 +331,9 @@ def test_a_process_beating_while_boards_are_made_never_dies_of_sigbus(
         deadline = time.monotonic() + 2.0
         while made < 20_000 and time.monotonic() < deadline:
             if make == "create":
-                _progress.create(path)
+                beats.create(path)
             else:
-                _progress.end_board(_progress.new_board(str(boards), 1))
+                beats.end_board(beats.new_board(str(boards), 1))
             made += 1
             if made % 100 == 0:
                 assert os.waitpid(writer, os.WNOHANG)[0] == 0, f"the writer died after {made}"
@@ -350,22 +350,22 @@ def test_a_patch_that_fails_is_noted_for_the_report_in_every_process(
 ) -> None:
     notes = boards / "dumps"
     notes.mkdir()
-    monkeypatch.setattr(_hook._Registration, "dump_dir", str(notes))
-    reader = _progress.new_board(str(boards), 1)  # installed: fork children say it again
+    monkeypatch.setattr(hook._Registration, "dump_dir", str(notes))
+    reader = beats.new_board(str(boards), 1)  # installed: fork children say it again
     try:
         # a torch whose DataLoader module lacks the iterator class the patch wraps
-        _progress._apply("torch.utils.data.dataloader", types.ModuleType("dataloader"))
-        _progress._apply("torch.optim.optimizer", types.ModuleType("optimizer"))
+        beats._apply("torch.utils.data.dataloader", types.ModuleType("dataloader"))
+        beats._apply("torch.optim.optimizer", types.ModuleType("optimizer"))
         child = fork(lambda: None)
         assert reap(child) == 0
     finally:
-        _progress.end_board(reader)
+        beats.end_board(reader)
     # the next test's capture reads only notes written since it began: said again for it
-    _progress.end_board(_progress.new_board(str(boards), 2))
-    mine = Path(_hook.notes_path(str(notes), os.getpid())).read_text()
+    beats.end_board(beats.new_board(str(boards), 2))
+    mine = Path(hook.notes_path(str(notes), os.getpid())).read_text()
     assert mine.count("could not patch torch.optim.optimizer") == 2, mine
     for pid in (os.getpid(), child):
-        text = Path(_hook.notes_path(str(notes), pid)).read_text()
+        text = Path(hook.notes_path(str(notes), pid)).read_text()
         assert "could not patch torch.utils.data.dataloader (AttributeError" in text, text
         assert "DataLoader batches do not count as progress in this process" in text
         assert "could not patch torch.optim.optimizer" in text

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchhang.report import SCHEMA_VERSION, HangReport
+from pytest_torchhang.report.model import SCHEMA_VERSION, HangReport
 
 from .conftest import RECORDED, recorded_ids
 

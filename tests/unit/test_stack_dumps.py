@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchhang import stacks
-from pytest_torchhang.stacks import Dump, dump_is_complete, parse_faulthandler
+from pytest_torchhang.capture import stacks
+from pytest_torchhang.capture.stacks import Dump, dump_is_complete, parse_faulthandler
 
 
 def _dump(path: Path) -> str:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pytest_torchhang import __main__ as cli
-from pytest_torchhang import views
-from pytest_torchhang.report import HangReport
+from pytest_torchhang.report import views
+from pytest_torchhang.report.model import HangReport
 
 from .mermaid_flowchart import MermaidError, mermaid_blocks, parse
 

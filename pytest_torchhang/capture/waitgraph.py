@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from stat import S_ISFIFO
 
+from ..report.model import Collective, ProcessReport, TaskWait, WaitEdge
 from . import procfs
-from .report import Collective, ProcessReport, TaskWait, WaitEdge
 from .stacks import ThreadStack
 
 #: The whole read is bounded: past this, threads keep their syscall but objects are not resolved.
@@ -602,7 +602,7 @@ def request_collectives(pids: Iterable[int], dump_dir: str | None) -> list[int]:
 
     Opening the FIFO without blocking fails at once where nobody listens, so this never waits.
     """
-    from ._hook import collectives_path, collectives_request_path
+    from ..inject.hook import collectives_path, collectives_request_path
 
     asked: list[int] = []
     if dump_dir is None:
@@ -633,7 +633,7 @@ def collect_collectives(
     """The entries each asked process wrote (or why not), waiting at most ``timeout_s``."""
     import json
 
-    from ._hook import collectives_path
+    from ..inject.hook import collectives_path
 
     out: dict[int, list[Collective] | str] = {}
     if dump_dir is None:
@@ -656,7 +656,7 @@ def collect_collectives(
         if not waiting or time.monotonic() > deadline:
             break
         time.sleep(0.01)
-    from ._hook import collectives_request_path
+    from ..inject.hook import collectives_request_path
 
     for pid in waiting:
         if not os.path.exists(collectives_request_path(dump_dir, pid)):

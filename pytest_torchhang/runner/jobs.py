@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from . import _hook
+from ..inject import hook
 
 
 @dataclass
@@ -107,7 +107,7 @@ def rank_main(
         world_size=world_size,
         timeout=timedelta(seconds=pg_timeout_s),
     )
-    _hook.start_collectives_listener(since_ns)  # no-op where the import hook started it
+    hook.start_collectives_listener(since_ns)  # no-op where the import hook started it
     result = fn(rank, world_size, *args, **kwargs)
     dist.destroy_process_group()
     return result

@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from . import devices, jobs, runner
+from .. import devices
+from ..exceptions import add_note
+from . import client, jobs
 from .child import LINGER_ENV
-from .exceptions import add_note
 from .jobs import LoaderStats
 
 #: The bound of fixture calls when neither the call nor the test has a timeout.
@@ -70,7 +71,7 @@ class TorchHang:
 
     def __init__(
         self,
-        get_runner: Callable[[], runner.Runner],
+        get_runner: Callable[[], client.Runner],
         test_id: str,
         deadline: Callable[[], float | None],
         gpus: list[str] | None = None,
@@ -101,7 +102,7 @@ class TorchHang:
 
     @contextlib.contextmanager
     def _watched(
-        self, the_runner: runner.Runner, children: list[runner.Child], seconds: float
+        self, the_runner: client.Runner, children: list[client.Child], seconds: float
     ) -> Iterator[_Call]:
         """Tell the test's deadline of this call while it runs; whatever ends it (a result, a
         hang of its own, the test's HangError), its children are gone and its files removed."""
@@ -112,7 +113,7 @@ class TorchHang:
             yield call
         finally:
             try:
-                runner.stop(the_runner, children)  # a no-op when every child has exited
+                client.stop(the_runner, children)  # a no-op when every child has exited
             finally:
                 the_runner.forget(children)
                 if watch is not None:
@@ -120,13 +121,13 @@ class TorchHang:
 
     def _method(self, start_method: str | None) -> str:
         method = start_method or "zygote"
-        if method not in runner.START_METHODS:
+        if method not in client.START_METHODS:
             raise ValueError(
-                f"start_method must be one of {', '.join(runner.START_METHODS)}, got {method!r}"
+                f"start_method must be one of {', '.join(client.START_METHODS)}, got {method!r}"
             )
         return method
 
-    def _relay(self, the_runner: runner.Runner, children: list[runner.Child]) -> None:
+    def _relay(self, the_runner: client.Runner, children: list[client.Child]) -> None:
         for child in children:
             output = the_runner.output(child)
             if output:
@@ -179,16 +180,16 @@ class TorchHang:
         the_runner = self._get_runner()
         child = the_runner.start(fn, args, kwargs, method=method, role=f"{label} child", env=env)
         with self._watched(the_runner, [child], seconds) as call:
-            left = runner.wait(the_runner, [child], seconds, stop_on_error=False)
+            left = client.wait(the_runner, [child], seconds, stop_on_error=False)
             if left <= 0 and the_runner.is_running(child):
                 call.capturing()
-                report = runner.hang_report(
+                report = client.hang_report(
                     the_runner, [child], f"{label} in {self._test_id}", seconds, self._native
                 )
                 self._relay(the_runner, [child])
-                runner.raise_hang(report)
+                client.raise_hang(report)
             self._relay(the_runner, [child])
-            return runner.raise_outcome(the_runner, child)
+            return client.raise_outcome(the_runner, child)
 
     def dataloader(
         self,
@@ -248,17 +249,17 @@ class TorchHang:
         )
         label = f"torch_hang.distributed({_name(fn)}, world_size={world_size}) in {self._test_id}"
         with self._watched(the_runner, ranks, seconds) as call:
-            left = runner.wait(the_runner, ranks, seconds, stop_on_error=True)
+            left = client.wait(the_runner, ranks, seconds, stop_on_error=True)
             failed = [c for c in ranks if the_runner.failed(c)]
             if failed:
                 self._raise_first_failure(the_runner, ranks, failed, left, label, seconds, call)
             if left <= 0 and any(the_runner.is_running(c) for c in ranks):
                 call.capturing()
-                report = runner.hang_report(the_runner, ranks, label, seconds, self._native)
+                report = client.hang_report(the_runner, ranks, label, seconds, self._native)
                 self._relay(the_runner, ranks)
-                runner.raise_hang(report)
+                client.raise_hang(report)
             self._relay(the_runner, ranks)
-            return [runner.raise_outcome(the_runner, c) for c in ranks]
+            return [client.raise_outcome(the_runner, c) for c in ranks]
 
     def _backend(self, world_size: int, backend: str | None) -> str:
         """The backend to use (gloo, or nccl when every rank has a GPU of its own); bad input
@@ -282,7 +283,7 @@ class TorchHang:
 
     def _start_ranks(
         self,
-        the_runner: runner.Runner,
+        the_runner: client.Runner,
         fn: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -291,7 +292,7 @@ class TorchHang:
         method: str,
         seconds: float,
         init_seconds: float,
-    ) -> list[runner.Child]:
+    ) -> list[client.Child]:
         """One child per rank, each with its rank's environment (and leased GPU)."""
         gpus = self._gpus or []
         store = os.path.join(the_runner.workdir, f"store-{os.getpid()}-{time.monotonic_ns()}")
@@ -323,9 +324,9 @@ class TorchHang:
 
     def _raise_first_failure(
         self,
-        the_runner: runner.Runner,
-        ranks: list[runner.Child],
-        failed: list[runner.Child],
+        the_runner: client.Runner,
+        ranks: list[client.Child],
+        failed: list[client.Child],
         left: float,
         label: str,
         seconds: float,
@@ -338,7 +339,7 @@ class TorchHang:
         # ranks from waiting ones. Waiting ranks stay blocked meanwhile: the failed rank lingers
         # with its connections open.
         others = [c for c in ranks if c not in failed]
-        runner.wait(the_runner, others, min(PEER_GRACE_S, max(left, 0.05)), stop_on_error=False)
+        client.wait(the_runner, others, min(PEER_GRACE_S, max(left, 0.05)), stop_on_error=False)
         waiting = [
             c
             for c in ranks
@@ -353,18 +354,18 @@ class TorchHang:
             )
         if waiting:
             call.capturing(hung=False)  # the rank's own error is raised, not a HangError
-            report = runner.hang_report(the_runner, waiting, label, seconds, self._native)
+            report = client.hang_report(the_runner, waiting, label, seconds, self._native)
             note += "\nstacks of the ranks still running (then killed):\n" + report.to_text()
-        runner.stop(the_runner, ranks)
+        client.stop(the_runner, ranks)
         self._relay(the_runner, ranks)
         try:
-            runner.raise_outcome(the_runner, first)
+            client.raise_outcome(the_runner, first)
         except BaseException as exc:
             add_note(exc, note)
             raise
 
 
-def _fate(the_runner: runner.Runner, child: runner.Child) -> str:
+def _fate(the_runner: client.Runner, child: client.Child) -> str:
     outcome = the_runner.peek(child)
     if outcome is not None and outcome.ok:
         return f"{child.role}: returned {outcome.value!r:.60}"
@@ -376,7 +377,7 @@ def _fate(the_runner: runner.Runner, child: runner.Child) -> str:
 
 
 def run_isolated(
-    the_runner: runner.Runner,
+    the_runner: client.Runner,
     function: Any,
     funcargs: dict[str, Any],
     test_id: str,

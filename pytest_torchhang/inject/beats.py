@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from ._hook import child_note
+from .hook import child_note
 
 #: Names the board file of the guarded test; set in the test's environment while it runs.
 PROGRESS_ENV = "PYTEST_TORCH_HANG_PROGRESS"

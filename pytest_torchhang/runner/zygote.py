@@ -1,6 +1,6 @@
 """The warm parent: a process that imported torch (and never ran a torch op) and forks children.
 
-``python -m pytest_torchhang.zygote`` reads request paths, one per line, on stdin, and writes
+``python -m pytest_torchhang.runner.zygote`` reads request paths, one per line, on stdin, and writes
 events on stdout: ``PID <request> <pid>`` when a child is forked and ``EXIT <pid> <code>`` when it
 is reaped (code < 0: killed by that signal). It exits when stdin closes, killing its children, and
 dies with its parent. A torch op in this process would start OpenMP threads and make every later
@@ -36,7 +36,7 @@ def _fork(request_path: str) -> int:
 
 def main() -> int:
     """Serve fork requests until stdin closes."""
-    from .proctree import die_with_parent
+    from ..capture.tree import die_with_parent
 
     # Ctrl-C is pytest's to handle; the zygote ends when pytest closes its stdin, or dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -10,8 +10,8 @@ import sysconfig
 from collections import Counter
 from collections.abc import Callable
 
-from .report import Collective, Hint, ProcessReport, TaskWait, WaitEdge
-from .stacks import Frame, ThreadStack
+from ..capture.stacks import Frame, ThreadStack
+from ..report.model import Collective, Hint, ProcessReport, TaskWait, WaitEdge
 
 _STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"])
 _COLLECTIVES = frozenset(
@@ -155,7 +155,12 @@ _THREAD_ROLES: list[tuple[str, tuple[str, ...], str]] = [
         "Manager server thread",
     ),
     ("pytest_torchhang/watchdog.py", (), "torch-hang watchdog"),
-    ("pytest_torchhang/_hook.py", ("_serve_collectives",), "torch-hang flight-recorder listener"),
+    ("pytest_torchhang/processwide.py", ("serve",), "torch-hang launcher"),
+    (
+        "pytest_torchhang/inject/hook.py",
+        ("_serve_collectives",),
+        "torch-hang flight-recorder listener",
+    ),
 ]
 
 

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from types import FrameType
 
+from ..inject.hook import DUMP_SIGNAL, dump_path
 from . import procfs
-from ._hook import DUMP_SIGNAL, dump_path
-from .proctree import ProcessId, signal_process
+from .tree import ProcessId, signal_process
 
 #: Frames kept per thread in a report (faulthandler itself stops at 100).
 MAX_FRAMES = 60
@@ -104,10 +104,10 @@ def trim_pytest_frames(stack: ThreadStack) -> None:
 
 #: The plugin's own frames at the bottom of a child's stacks (how the child was started).
 _PLUGIN_BOTTOM = (
-    "pytest_torchhang/zygote.py",
-    "pytest_torchhang/child.py",
-    "pytest_torchhang/jobs.py",
-    "pytest_torchhang/runner.py",
+    "pytest_torchhang/runner/zygote.py",
+    "pytest_torchhang/runner/child.py",
+    "pytest_torchhang/runner/jobs.py",
+    "pytest_torchhang/runner/client.py",
     "/runpy.py",
 )
 PLUGIN_CUT = "<pytest-torchhang>"

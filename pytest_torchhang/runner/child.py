@@ -20,8 +20,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from . import _hook, _progress
-from .proctree import become_subreaper, die_with_parent, kill_tree
+from ..capture.tree import become_subreaper, die_with_parent, kill_tree
+from ..inject import beats, hook
 
 #: Seconds a child that failed waits (its outcome already written) before it exits.
 LINGER_ENV = "PYTEST_TORCH_HANG_LINGER"
@@ -89,8 +89,8 @@ def _apply_environment(env: dict[str, str]) -> None:
 def _arm_progress_and_stress() -> None:
     """What the start-up hook does in fresh interpreters, for this forked one: progress beats
     when the test has stall detection, the hunt's stress when asked for."""
-    if os.environ.get(_progress.PROGRESS_ENV):
-        _progress.install()
+    if os.environ.get(beats.PROGRESS_ENV):
+        beats.install()
     if os.environ.get("PYTEST_TORCH_HANG_STRESS"):
         import random
 
@@ -130,8 +130,8 @@ def run_request(request_path: str) -> int:
             with contextlib.suppress(OSError):
                 os.chdir(cwd)
         sys.path[:] = sys_path or sys.path
-        _hook.install(dump_dir)
-        _hook.set_role(role)
+        hook.install(dump_dir)
+        hook.set_role(role)
         become_subreaper()  # so what the job starts stays in this child's tree until we clean it
         if main_path:
             _load_main(main_path)
@@ -160,13 +160,13 @@ def run_request(request_path: str) -> int:
 
 
 def main() -> None:
-    """Entry point of a spawned child: ``python -m pytest_torchhang.child REQUEST``."""
+    """Entry point of a spawned child: ``python -m pytest_torchhang.runner.child REQUEST``."""
     code = run_request(sys.argv[1])
     os._exit(code)
 
 
 if __name__ == "__main__":
-    # run through the package's module, so Outcome pickles as pytest_torchhang.child.Outcome
-    from pytest_torchhang.child import main as package_main
+    # run through the package's module, so Outcome pickles as pytest_torchhang.runner.child.Outcome
+    from pytest_torchhang.runner.child import main as package_main
 
     package_main()

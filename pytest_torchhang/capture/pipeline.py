@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from . import diagnose, procfs, waits
-from ._hook import notes_path, role_path
+from ..diagnosis import engine
+from ..inject.hook import notes_path, role_path
+from ..report.model import HangReport, ProcessReport
+from . import procfs, waitgraph
 from .native import native_stacks, tool_available
-from .proctree import (
+from .tree import (
     Births,
     KillResult,
     ProcessId,
@@ -27,9 +29,8 @@ from .proctree import (
     kill_tree,
     split_descendants,
 )
-from .report import HangReport, ProcessReport
 
-__all__ = ["GuardTarget", "HangReport", "capture", "kill", "tree"]
+__all__ = ["CaptureTarget", "HangReport", "capture", "kill", "tree"]
 from .stacks import (
     Dump,
     in_process_threads,
@@ -48,7 +49,7 @@ _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
 
 
 @dataclass
-class GuardTarget:
+class CaptureTarget:
     """What one guard watches: the tree under ``root_pid``, minus the guard's own processes."""
 
     test_id: str
@@ -156,19 +157,19 @@ def _with_dump(
     report.threads = dump.threads
     if dump.was_stopped:
         report.state = "stopped (SIGSTOP)"
-    cpu = waits.cpu_s(proc.pid, own) if own is not None else _cpu(proc)
+    cpu = waitgraph.cpu_s(proc.pid, own) if own is not None else _cpu(proc)
     if cpu:  # 0.0: gone since the facts were read; keep what was read then
         report.cpu_s = cpu
         report.cpu_delta_s = max(cpu - cpu_before, 0.0)
     return report
 
 
-def tree(target: GuardTarget) -> list[psutil.Process]:
+def tree(target: CaptureTarget) -> list[psutil.Process]:
     """The processes a target owns, the root (or the roots) first."""
     return _tree(target)[0]
 
 
-def _tree(target: GuardTarget) -> tuple[list[psutil.Process], list[psutil.Process]]:
+def _tree(target: CaptureTarget) -> tuple[list[psutil.Process], list[psutil.Process]]:
     """(owned, context): the target's processes, and those that were there before it began."""
     procs: list[psutil.Process] = []
     context: list[psutil.Process] = []
@@ -196,7 +197,7 @@ def _roles(dump_dir: str | None, pids: list[int]) -> dict[int, str]:
     return roles
 
 
-def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangReport:
+def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> HangReport:
     """Snapshot the tree and take every process's stacks; kills nothing."""
     t0 = time.monotonic()
     elapsed = t0 - target.started  # when the hang was declared, whatever the capture costs
@@ -210,8 +211,8 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     # continues stopped processes, which may then move on, or exit.
     own = _capture_tids(skip_threads)
     if target.root_in_process and target.roots is None:
-        cpu_before[target.root_pid] = waits.cpu_s(target.root_pid, own)  # not the capture's own
-    evidence = waits.read(
+        cpu_before[target.root_pid] = waitgraph.cpu_s(target.root_pid, own)  # not the capture's own
+    evidence = waitgraph.read(
         [p.pid for p in procs], own, newer_than_s=t0 - target.started, proc=reader
     )
     own_stacks = None
@@ -248,15 +249,15 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
     ]
     env = {p.pid: _environ(reader, p.pid) for p in procs if p.pid != target.root_pid}
     # Ranks' flight recorders after the CPU sample: answering costs them a little CPU.
-    asked = waits.request_collectives([r.pid for r in reports], target.dump_dir)
+    asked = waitgraph.request_collectives([r.pid for r in reports], target.dump_dir)
     fr_wait = max(0.3, target.capture_budget_s - (time.monotonic() - t0))
-    wait_notes = waits.attach(
-        reports, evidence, waits.collect_collectives(asked, target.dump_dir, fr_wait)
+    wait_notes = waitgraph.attach(
+        reports, evidence, waitgraph.collect_collectives(asked, target.dump_dir, fr_wait)
     )
     stated = _roles(target.dump_dir, [r.pid for r in reports])
     for report_ in reports:
         report_.role = stated.get(report_.pid, report_.role)
-    diagnose.label_roles(reports, target.root_pid, env, target.root_role)
+    engine.label_roles(reports, target.root_pid, env, target.root_role)
     notes: list[str] = wait_notes + _dump_notes(dumps)
     if target.native:
         notes += _add_native(target, reports)
@@ -267,13 +268,13 @@ def capture(target: GuardTarget, skip_threads: set[int] | None = None) -> HangRe
         timeout_s=target.timeout_s,
         elapsed_s=elapsed,
         phase=target.phase,
-        headline=diagnose.headline(
+        headline=engine.headline(
             target.test_id + (f" (during {target.phase})" if target.phase != "call" else ""),
             elapsed,
             reports,
             target.root_pid,
         ),
-        hints=diagnose.hints(reports),
+        hints=engine.hints(reports),
         processes=reports,
         notes=notes,
     )
@@ -350,11 +351,11 @@ def _capture_tids(skip_threads: set[int] | None) -> set[int]:
     return skip
 
 
-def _add_native(target: GuardTarget, reports: list[ProcessReport]) -> list[str]:
+def _add_native(target: CaptureTarget, reports: list[ProcessReport]) -> list[str]:
     # A process cannot ptrace itself: the pytest process's own stacks stay Python-only.
     me = os.getpid()
     candidates = [r for r in reports if r.pid != me and r.state not in ("zombie", "gone")]
-    candidates.sort(key=lambda r: (r.role.startswith(diagnose.HELPER_ROLES), r.pid))
+    candidates.sort(key=lambda r: (r.role.startswith(engine.HELPER_ROLES), r.pid))
     result = native_stacks(
         [r.pid for r in candidates], {r.pid for r in candidates if r.role.startswith("rank ")}
     )
@@ -381,7 +382,7 @@ def _read_from_outside(reports: list[ProcessReport]) -> None:
             report.dump_status += "; its Python stack below was read from outside (pystack/py-spy)"
 
 
-def kill(target: GuardTarget, report: HangReport | None = None) -> KillResult:
+def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
     """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
     started = time.monotonic()
     if target.roots is None:

@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .report import HangReport, ProcessReport, TaskWait, WaitEdge
+from .model import HangReport, ProcessReport, TaskWait, WaitEdge
 
 #: Identical processes (same role but for its number, parent, stuck frame and waits) are drawn
 #: as one box from this many on: `DataLoader worker 0-7/8`.

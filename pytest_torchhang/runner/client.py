@@ -27,18 +27,22 @@ from typing import Any
 
 import psutil
 
-from . import _hook, guard, processwide
-from ._hook import DUMP_DIR_ENV
+from .. import processwide
+from ..capture import pipeline
+from ..capture.tree import ProcessId, end_helper, same_process
+from ..exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
+from ..inject import hook
+from ..inject.hook import DUMP_DIR_ENV
 from .child import Outcome
-from .exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
-from .proctree import ProcessId, end_helper, same_process
 
 START_METHODS = ("zygote", "spawn", "forkserver")
 #: How long the zygote may take to import torch and say READY.
 ZYGOTE_START_S = 120.0
 #: How long one fork request may take to be answered.
 ZYGOTE_FORK_S = 10.0
-_INJECT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inject")
+_INJECT_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "inject", "site"
+)
 
 
 def signal_description(code: int) -> str:
@@ -60,7 +64,7 @@ class Zygote:
         # which is the thread that started it, and a user's thread may end at any time.
         self.proc = processwide.launch(
             lambda: subprocess.Popen(
-                [sys.executable, "-m", "pytest_torchhang.zygote"],
+                [sys.executable, "-m", "pytest_torchhang.runner.zygote"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=env,
@@ -213,7 +217,7 @@ class Runner:
         path = env.get("PYTHONPATH", "")
         if _INJECT_DIR not in path.split(os.pathsep):
             env["PYTHONPATH"] = _INJECT_DIR + (os.pathsep + path if path else "")
-        for key, value in _hook.guarded_env().items():
+        for key, value in hook.guarded_env().items():
             env.setdefault(key, value)
         for key, wanted in (extra or {}).items():
             if wanted is None:
@@ -259,7 +263,7 @@ class Runner:
             pid = self.zygote().fork(request)
         elif method == "spawn":
             popen = subprocess.Popen(
-                [sys.executable, "-m", "pytest_torchhang.child", request], env=child_env
+                [sys.executable, "-m", "pytest_torchhang.runner.child", request], env=child_env
             )
             pid = popen.pid
         else:
@@ -379,7 +383,7 @@ def _forkserver_process(request: str, role: str) -> Any:
     server = multiprocessing.forkserver._forkserver
     if getattr(server, "_forkserver_pid", 1) is None:
         # not started yet: let it import torch once instead of in every child
-        context.set_forkserver_preload(["torch", "pytest_torchhang.child"])
+        context.set_forkserver_preload(["torch", "pytest_torchhang.runner.child"])
     process = context.Process(target=run_request, args=(request,), name=role, daemon=False)
     process.start()
     assert process.pid is not None
@@ -412,9 +416,9 @@ def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error
 
 def _target(
     runner: Runner, live: list[Child], label: str, timeout: float, native: bool
-) -> guard.GuardTarget:
+) -> pipeline.CaptureTarget:
     """The trees of ``live`` children, roots included, never the runner's own zygote."""
-    return guard.GuardTarget(
+    return pipeline.CaptureTarget(
         test_id=label,
         timeout_s=timeout,
         root_pid=os.getpid(),
@@ -430,13 +434,13 @@ def _target(
 
 def hang_report(
     runner: Runner, children: list[Child], label: str, timeout: float, native: bool = False
-) -> guard.HangReport:
+) -> pipeline.HangReport:
     """Capture and kill the trees of ``children`` that still run; the report says where they were."""
     live = [c for c in children if runner.is_running(c)]
     target = _target(runner, live, label, timeout, native)
     target.started = min(c.started for c in children)
-    report = guard.capture(target)
-    guard.kill(target, report)
+    report = pipeline.capture(target)
+    pipeline.kill(target, report)
     _reap(runner, live)
     return report
 
@@ -446,7 +450,7 @@ def stop(runner: Runner, children: list[Child]) -> None:
     live = [c for c in children if runner.is_running(c)]
     if not live:
         return
-    guard.kill(_target(runner, live, "", 0.0, False))
+    pipeline.kill(_target(runner, live, "", 0.0, False))
     _reap(runner, live)
 
 
@@ -491,5 +495,5 @@ def raise_outcome(runner: Runner, child: Child) -> Any:
     )
 
 
-def raise_hang(report: guard.HangReport) -> None:
+def raise_hang(report: pipeline.HangReport) -> None:
     raise HangError(report.to_text(), report)

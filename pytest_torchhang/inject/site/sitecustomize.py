@@ -11,16 +11,16 @@ import sys as _sys
 
 
 def _load(package_dir: str, name: str) -> object:
-    """Load ``pytest_torchhang.<name>`` by path, without importing the package (it needs
-    pytest), under its package name: a later ``from pytest_torchhang import <name>`` in this
-    process gets this very module (one registration, one at-fork handler, one open file)."""
+    """Load ``pytest_torchhang.inject.<name>`` by path, without importing the package (it
+    needs pytest), under its package name: a later ``from pytest_torchhang.inject import <name>``
+    in this process gets this very module (one registration, one at-fork handler, one file)."""
     spec = _ilu.spec_from_file_location(
-        f"pytest_torchhang.{name}", _os.path.join(package_dir, f"{name}.py")
+        f"pytest_torchhang.inject.{name}", _os.path.join(package_dir, f"{name}.py")
     )
     if spec is None or spec.loader is None:
         return None
     module = _ilu.module_from_spec(spec)
-    _sys.modules[f"pytest_torchhang.{name}"] = module
+    _sys.modules[f"pytest_torchhang.inject.{name}"] = module
     spec.loader.exec_module(module)
     return module
 
@@ -42,13 +42,13 @@ def _stress() -> None:
 
 
 def _note(hook: object, text: str) -> None:
-    """Say what failed, for the hang report (``_hook.child_note``, or its format by hand when
-    ``_hook`` itself could not be loaded)."""
+    """Say what failed, for the hang report (``hook.child_note``, or its format by hand when
+    ``hook`` itself could not be loaded)."""
     note = getattr(hook, "child_note", None)
     if note is not None:
         note(text)
         return
-    dump_dir = _os.environ.get("PYTEST_TORCH_HANG_DUMP_DIR")  # _hook.DUMP_DIR_ENV
+    dump_dir = _os.environ.get("PYTEST_TORCH_HANG_DUMP_DIR")  # hook.DUMP_DIR_ENV
     if not dump_dir:
         return
     import time
@@ -62,16 +62,16 @@ def _note(hook: object, text: str) -> None:
 
 def _torchhang_bootstrap() -> None:
     here = _os.path.dirname(_os.path.abspath(__file__))
-    package_dir = _os.path.dirname(here)
+    package_dir = _os.path.dirname(here)  # inject/, above inject/site/
     hook = None
     step = "load its start-up hook"
     try:
-        hook = _load(package_dir, "_hook")
+        hook = _load(package_dir, "hook")
         step = "install its stack-dump handler"
         hook.install()  # type: ignore[attr-defined]
         if _os.environ.get("PYTEST_TORCH_HANG_PROGRESS"):  # stall detection is armed
             step = "install its progress beats"
-            _load(package_dir, "_progress").install()  # type: ignore[attr-defined]
+            _load(package_dir, "beats").install()  # type: ignore[attr-defined]
         if _os.environ.get("PYTEST_TORCH_HANG_STRESS"):
             step = "start --torch-hang-hunt-stress"
             _stress()

@@ -11,7 +11,7 @@ import pytest
 from _pytest._code.code import TerminalRepr
 from _pytest._io import TerminalWriter
 
-from .report import HangReport
+from .model import HangReport
 
 HANG_PROPERTY = "torch_hang"
 HEADLINE_PROPERTY = "torch_hang_headline"

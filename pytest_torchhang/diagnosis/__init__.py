@@ -1,0 +1,1 @@
+"""From captured facts to words: roles, stuck frames, the rules, the headline."""

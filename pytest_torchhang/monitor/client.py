@@ -1,0 +1,119 @@
+"""The pytest side of the monitor: start it (from the launcher thread), restart it, tell it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+
+from ..inject.hook import DUMP_DIR_ENV
+from .page import DeadlineBoard
+
+
+class MonitorClient:
+    """The pytest side of the monitor process: started on first use, told of deadlines by a
+    shared page (``DeadlineBoard``) and of rare events by a pipe."""
+
+    def __init__(
+        self, dump_dir: str, stderr_fd: int, report_dir: str | None, spare_root: bool = False
+    ) -> None:
+        self._dump_dir = dump_dir
+        self._stderr_fd = stderr_fd
+        self._report_dir = report_dir
+        self._spare_root = spare_root
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._write_fd: int | None = None
+        self._lock = threading.RLock()  # the test's thread and the watchdog's both use it
+        self.board = DeadlineBoard(os.path.join(dump_dir, f"monitor-{os.getpid()}.page"), True)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _start(self) -> None:
+        from .. import processwide
+
+        read_fd, write_fd = os.pipe()
+        env = {k: v for k, v in os.environ.items() if k != DUMP_DIR_ENV}
+        self._proc = processwide.launch(lambda: self._popen(read_fd, env))
+        os.close(read_fd)
+        os.set_inheritable(write_fd, False)
+        self._write_fd = write_fd
+
+    def _popen(self, read_fd: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pytest_torchhang.monitor",
+                str(os.getpid()),
+                str(read_fd),
+                self._dump_dir,
+                self._report_dir or "",
+                self.board.path,
+                *(["--spare-root"] if self._spare_root else []),
+            ],
+            pass_fds=(read_fd,),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr_fd,
+            env=env,
+            close_fds=True,
+            start_new_session=True,  # Ctrl-C in the terminal is pytest's, not the monitor's
+        )
+
+    def ensure_started(self) -> int:
+        """Start the monitor if it is not running; returns its pid."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._close_pipe()
+                self._start()
+            assert self._proc is not None
+            return self._proc.pid
+
+    def check(self) -> str | None:
+        """Restart a monitor that died (the GIL backstop must never be gone silently); returns
+        what happened, for the session's notes, or None when it runs."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is None:
+                return None
+            code = proc.returncode
+            self.ensure_started()  # it reads the current deadline from the page, which outlives it
+        return (
+            f"pytest-torchhang's monitor (the last resort when a thread holds the GIL) exited "
+            f"with status {code} and was restarted"
+        )
+
+    def send(self, line: str) -> None:
+        """Tell the monitor ``line``; restart it once if it died."""
+        with self._lock:
+            self._send(line)
+
+    def _send(self, line: str) -> None:
+        for _ in range(2):
+            self.ensure_started()
+            assert self._write_fd is not None
+            try:
+                os.write(self._write_fd, (line + "\n").encode())
+                return
+            except OSError:
+                self._close_pipe()
+                self._proc = None
+
+    def _close_pipe(self) -> None:
+        if self._write_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._write_fd)
+            self._write_fd = None
+
+    def stop(self) -> None:
+        """End the monitor: closing the pipe makes it exit; bounded wait, then kill."""
+        self._close_pipe()
+        if self._proc is not None:
+            from ..capture.tree import end_helper
+
+            end_helper(self._proc, 2.0)
+            self._proc = None

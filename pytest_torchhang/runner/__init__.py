@@ -1,0 +1,1 @@
+"""Subprocess work under a deadline: the fixture object, the runner client, the zygote, the child, the jobs."""
