@@ -19,7 +19,7 @@ from .inject import beats
 # The guard's own modules (psutil, the diagnosis, the runner) are imported when a test is first
 # guarded: a session without a timeout never pays for them.
 if TYPE_CHECKING:
-    from .capture import tree
+    from .capture.target import Births
     from .monitor.client import MonitorClient
     from .report.model import HangReport
     from .runner import client
@@ -77,7 +77,7 @@ class SessionState:
     notes: list[str] = field(default_factory=list)  # the guard's own troubles, said once
     subprocess_runner: client.Runner | None = None
     _boards: int = 0  # progress boards made so far: each test gets a new file
-    _births_after: tree.Births | None = None  # the last guarded test's closing snapshot
+    _births_after: Births | None = None  # the last guarded test's closing snapshot
 
     def get_runner(self) -> client.Runner:
         """The subprocess runner (and its zygote), created on first use."""
@@ -123,7 +123,7 @@ class SessionState:
             )
         return self.watchdog
 
-    def _take_births(self) -> tree.Births:
+    def _take_births(self) -> Births:
         """What runs before this test: the snapshot the previous guarded test ended with, when
         nothing ran since (one walk of /proc per test instead of two), else a fresh one."""
         from .capture import tree
@@ -160,12 +160,12 @@ class SessionState:
             held.target.timeout_s = held.state.timeout_s
             watchdog.arm(held)
             return held
-        from .capture import pipeline
+        from .capture.target import CaptureTarget
         from .watchdog import TestDeadline
 
         now = time.monotonic()
         state = deadline.start(now, {source: timeout_s}, stall_s)
-        target = pipeline.CaptureTarget(
+        target = CaptureTarget(
             test_id=item.nodeid,
             timeout_s=state.timeout_s,
             root_pid=os.getpid(),

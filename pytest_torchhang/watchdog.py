@@ -16,16 +16,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import deadline, processwide
-from .capture import pipeline
 from .deadline import Action, Decision, Event, Kind, Phase, Source
 from .exceptions import HangError
 from .inject import beats
 from .monitor.client import MonitorClient
 from .processwide import INTERRUPT_SIGNAL
 from .report.model import HangReport
+
+if TYPE_CHECKING:
+    from .capture.target import CaptureTarget
 
 #: Stall detection looks at the progress board at least this often, keeping this many samples.
 SAMPLE_EVERY_S = 5.0
@@ -42,7 +44,7 @@ class TestDeadline:
 
     __test__ = False  # not a test class, whatever pytest's collection thinks of the name
 
-    target: pipeline.CaptureTarget
+    target: CaptureTarget
     state: deadline.State
     thread_id: int  # the thread that runs the test (pytest's main thread, or the one it runs in)
     item: Any = None  # the pytest item, for hooks that get none (pytest_enter_pdb)
@@ -323,6 +325,8 @@ class Watchdog:
                 if decision.action is Action.FIRE:
                     self._fire(held, decision.kind is Kind.STALL)
                 elif decision.action is Action.REKILL:
+                    from .capture import pipeline  # the cold path: loaded at the first fire
+
                     pipeline.kill(held.target)
                 self._interrupt(held)
             except Exception as exc:  # the watchdog must outlive its own failures
@@ -343,6 +347,8 @@ class Watchdog:
             target.extra_roots = [pid for pids in held.call_children.values() for pid in pids]
         skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
         try:
+            from .capture import pipeline  # the cold path: loaded at the first fire
+
             report = pipeline.capture(target, skip_threads=skip)
         except Exception as exc:  # report what is known, and still kill the tree
             report = _failed_report(held, exc)

@@ -10,7 +10,6 @@ import contextlib
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 
 import psutil
 
@@ -19,8 +18,8 @@ from ..inject.hook import notes_path, role_path
 from ..report.model import HangReport, ProcessReport
 from . import procfs, waitgraph
 from .native import native_stacks, tool_available
+from .target import CaptureTarget
 from .tree import (
-    Births,
     KillResult,
     ProcessId,
     cleanup_shm,
@@ -46,34 +45,6 @@ CONTEXT_STATUS = (
 )
 #: Environment variables read from each process (roles of ranks).
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
-
-
-@dataclass
-class CaptureTarget:
-    """What one guard watches: the tree under ``root_pid``, minus the guard's own processes."""
-
-    test_id: str
-    timeout_s: float
-    root_pid: int
-    dump_dir: str | None
-    started: float = field(default_factory=time.monotonic)
-    exclude: set[int] = field(default_factory=set)
-    shm_since: float = 0.0  # wall time the test began: /dev/shm segments younger are its own
-    root_in_process: bool = True  # the root is this very process: read its stacks directly
-    kill_root: bool = False
-    root_role: str = "pytest"
-    phase: str = "call"
-    capture_budget_s: float = 2.0
-    #: When set, the tree is these processes and their descendants (runner children), not the
-    #: root's descendants; the root is then only the process the report is written for.
-    roots: list[int] | None = None
-    #: Trees captured and killed with the root's (fixture calls' children in flight: the zygote
-    #: that forked them is the plugin's, so they are not the root's descendants).
-    extra_roots: list[int] = field(default_factory=list)
-    native: bool = False  # add native stacks (pystack / py-spy) where installed and permitted
-    #: The root's descendants when the test began: they, and what they start, are reported for
-    #: context and never signalled (a session fixture's server is not the hung test's).
-    before: Births | None = None
 
 
 def _cpu(proc: psutil.Process) -> float:

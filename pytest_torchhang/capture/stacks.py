@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from ..inject.hook import DUMP_SIGNAL, dump_path
+from ..report.model import Frame, ThreadStack
 from . import procfs
 from .tree import ProcessId, signal_process
 
@@ -22,28 +23,6 @@ MAX_FRAMES = 60
 
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")
 _FRAME_LINE = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
-
-
-@dataclass(frozen=True)
-class Frame:
-    """One Python frame; ``line`` is the source text when the file can be read."""
-
-    filename: str
-    lineno: int
-    name: str
-    line: str = ""
-
-
-@dataclass
-class ThreadStack:
-    """One thread's stack, most recent call first."""
-
-    ident: str
-    name: str = ""
-    current: bool = False
-    frames: list[Frame] = field(default_factory=list)
-    truncated: bool = False
-    tid: int = 0  # the kernel thread id, when known (this process's own threads)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import ClassVar
 import psutil
 
 from . import procfs
+from .target import Births
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -177,9 +178,6 @@ class _OwnChildren:
             with contextlib.suppress(OSError):
                 os.close(fd)
         cls.fds.clear()
-
-
-Births = frozenset[tuple[int, int]]
 
 
 def births(root_pid: int, skip: Iterable[int] = ()) -> Births:

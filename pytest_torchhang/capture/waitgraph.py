@@ -13,9 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from stat import S_ISFIFO
 
-from ..report.model import Collective, ProcessReport, TaskWait, WaitEdge
+from ..report.model import Collective, ProcessReport, TaskWait, ThreadStack, WaitEdge
 from . import procfs
-from .stacks import ThreadStack
 
 #: The whole read is bounded: past this, threads keep their syscall but objects are not resolved.
 BUDGET_S = 0.5

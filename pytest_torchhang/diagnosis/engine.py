@@ -10,8 +10,7 @@ import sysconfig
 from collections import Counter
 from collections.abc import Callable
 
-from ..capture.stacks import Frame, ThreadStack
-from ..report.model import Collective, Hint, ProcessReport, TaskWait, WaitEdge
+from ..report.model import Collective, Frame, Hint, ProcessReport, TaskWait, ThreadStack, WaitEdge
 
 _STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"])
 _COLLECTIVES = frozenset(

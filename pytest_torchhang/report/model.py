@@ -6,8 +6,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..capture.stacks import Frame, ThreadStack
-
 #: Version of the JSON document written per hang; bump on incompatible changes.
 SCHEMA_VERSION = 1
 #: Upper bound on the text of one report; the JSON keeps everything that was captured.
@@ -15,6 +13,28 @@ MAX_TEXT_CHARS = 200_000
 #: Upper bound on one process's block in the text, and on the threads shown per process.
 MAX_BLOCK_CHARS = 40_000
 MAX_THREADS = 40
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One Python frame; ``line`` is the source text when the file can be read."""
+
+    filename: str
+    lineno: int
+    name: str
+    line: str = ""
+
+
+@dataclass
+class ThreadStack:
+    """One thread's stack, most recent call first."""
+
+    ident: str
+    name: str = ""
+    current: bool = False
+    frames: list[Frame] = field(default_factory=list)
+    truncated: bool = False
+    tid: int = 0  # the kernel thread id, when known (this process's own threads)
 
 
 @dataclass

@@ -1,0 +1,41 @@
+"""What one capture is of: a test's tree (or a fixture call's children), and what to spare.
+
+Light on purpose (no psutil, no /proc): every guarded test makes one, and the capture modules
+that act on it load only when a deadline first fires.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+#: (pid, start time in clock ticks) of processes alive at some moment: identities, not pids.
+Births = frozenset[tuple[int, int]]
+
+
+@dataclass
+class CaptureTarget:
+    """What one capture watches: the tree under ``root_pid``, minus the plugin's own processes."""
+
+    test_id: str
+    timeout_s: float
+    root_pid: int
+    dump_dir: str | None
+    started: float = field(default_factory=time.monotonic)
+    exclude: set[int] = field(default_factory=set)
+    shm_since: float = 0.0  # wall time the test began: /dev/shm segments younger are its own
+    root_in_process: bool = True  # the root is this very process: read its stacks directly
+    kill_root: bool = False
+    root_role: str = "pytest"
+    phase: str = "call"
+    capture_budget_s: float = 2.0
+    #: When set, the tree is these processes and their descendants (runner children), not the
+    #: root's descendants; the root is then only the process the report is written for.
+    roots: list[int] | None = None
+    #: Trees captured and killed with the root's (fixture calls' children in flight: the zygote
+    #: that forked them is the plugin's, so they are not the root's descendants).
+    extra_roots: list[int] = field(default_factory=list)
+    native: bool = False  # add native stacks (pystack / py-spy) where installed and permitted
+    #: The root's descendants when the test began: they, and what they start, are reported for
+    #: context and never signalled (a session fixture's server is not the hung test's).
+    before: Births | None = None
