@@ -1,23 +1,26 @@
 """Process-wide state of the guard, shared by every pytest session in this process and counted.
 
-Signal handlers, the stack-dump hook, environment variables and the child subreaper belong to
-the process, not to a session: ``pytester.runpytest()`` inline, or an IDE that calls
+Signal handlers, the stack-dump hook, environment variables, the child subreaper, the launcher
+of the plugin's helper processes (and their end) belong to the process, not to a session: ``pytester.runpytest()`` inline, or an IDE that calls
 ``pytest.main`` twice, runs one session inside another. The first session to need them sets
 them up, the last one to leave puts them back; an inner session never undoes the outer's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, ClassVar, TypeVar
 
-from .capture.tree import become_subreaper
 from .inject import hook
 
 #: Sent to a pytest thread to raise HangError where it is blocked.
@@ -30,6 +33,31 @@ Receiver = Callable[[], BaseException | None]
 LAUNCH_WAIT_S = 60.0
 
 T = TypeVar("T")
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        return int(_libc().prctl(option, arg, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def become_subreaper() -> bool:
+    """Adopt orphans of this process's descendants (setsid'd daemons) so they stay in its tree."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent thread exits."""
+    return _prctl(_PR_SET_PDEATHSIG, sig)
 
 
 class _Shared:
@@ -159,3 +187,13 @@ def launch(fn: Callable[[], T], wait_s: float = LAUNCH_WAIT_S) -> T:
     if not ok:
         raise value
     return value  # type: ignore[no-any-return]
+
+
+def end_helper(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for a helper told to exit (its pipe closed), then kill it; bounded."""
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)

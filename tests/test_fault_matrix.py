@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from conftest import GuardedRunner, Session, assert_hang
-from pytest_torchhang.capture import stacks, tree
+from pytest_torchhang.capture import kill, stacks, tree
 from pytest_torchhang.capture.tree import ProcessId
 from pytest_torchhang.inject import hook
 from pytest_torchhang.report import model as report_module
@@ -606,8 +606,8 @@ def test_kill_tree_spares_a_process_whose_pid_was_recycled_after_its_snapshot(
                 found[victim] = _recycled(victim)
             return found
 
-        monkeypatch.setattr(tree, "identify", identify)
-        result = tree.kill_tree(root.pid, budget_s=2.0)
+        monkeypatch.setattr(kill, "identify", identify)
+        result = kill.kill_tree(root.pid, budget_s=2.0)
         assert [ident.pid for ident in result.killed] == [doomed]
         assert victim not in {ident.pid for ident in result.survivors}
         # neither stopped nor killed

@@ -17,17 +17,10 @@ from ..diagnosis import engine
 from ..inject.hook import notes_path, role_path
 from ..report.model import HangReport, ProcessReport
 from . import procfs, waitgraph
+from .kill import KillResult, cleanup_shm, kill_tree
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
-from .tree import (
-    KillResult,
-    ProcessId,
-    cleanup_shm,
-    helper_kind,
-    is_zombie,
-    kill_tree,
-    split_descendants,
-)
+from .tree import ProcessId, helper_kind, is_zombie, split_descendants
 
 __all__ = ["CaptureTarget", "HangReport", "capture", "kill", "tree"]
 from .stacks import (

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 T = TypeVar("T")
 
@@ -134,9 +135,17 @@ def ppid_table(budget_s: float = SCAN_BUDGET_S) -> dict[int, list[int]]:
 
 
 def children(pid: int) -> list[int]:
-    """Direct children of ``pid``: its threads' ``children`` files, else a scan of /proc."""
+    """Direct children of ``pid``: the one reader of children for the whole plugin.
+
+    Its threads' ``/proc/PID/task/TID/children`` files (no scan of every process); this
+    process's own stay open between reads. Where the kernel has no such files (gVisor, no
+    CONFIG_PROC_CHILDREN), a scan of /proc/*/stat: a walk of a tree uses ``child_lister``
+    so that it scans once.
+    """
     if not children_files():
         return ppid_table().get(pid, [])
+    if pid == os.getpid():
+        return _OwnChildren.read()
     out: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -147,6 +156,90 @@ def children(pid: int) -> list[int]:
         if raw:
             out.extend(int(word) for word in raw.split())
     return out
+
+
+def child_lister() -> Callable[[int], list[int]]:
+    """``children`` for one walk of a tree: on kernels without the ``children`` files, every
+    step answers from one scan of /proc/*/stat instead of a scan each."""
+    if children_files():
+        return children
+    table = ppid_table()
+    return lambda pid: table.get(pid, [])
+
+
+def walk(roots: Iterable[int], lister: Callable[[int], list[int]] | None = None) -> list[int]:
+    """``roots`` and all their descendants, each once, every parent before its children."""
+    children_of = lister or child_lister()
+    out: list[int] = []
+    seen: set[int] = set()
+    todo = list(roots)[::-1]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        out.append(pid)
+        todo.extend(reversed(children_of(pid)))
+    return out
+
+
+class _OwnChildren:
+    """This process's children, read twice per guarded test: the ``children`` file of each of
+    its threads stays open and is read again with ``pread`` (an open per read costs more than
+    the rest of the snapshot). Locked: the watchdog's capture reads them while a test runs."""
+
+    lock: ClassVar[threading.Lock] = threading.Lock()
+    fds: ClassVar[dict[str, int]] = {}
+    pid: ClassVar[int] = 0
+
+    @classmethod
+    def read(cls) -> list[int]:
+        with cls.lock:
+            return cls._read()
+
+    @classmethod
+    def _read(cls) -> list[int]:
+        me = os.getpid()
+        if cls.pid != me:  # first use, or a forked child: the parent's descriptors are not ours
+            cls._close()
+            cls.pid = me
+        try:
+            tasks = os.listdir("/proc/self/task")  # threads come and go: list them each time
+        except OSError:
+            return []
+        for gone in set(cls.fds) - set(tasks):
+            with contextlib.suppress(OSError):
+                os.close(cls.fds.pop(gone))
+        out: list[int] = []
+        for tid in tasks:
+            fd = cls.fds.get(tid)
+            try:
+                if fd is None:
+                    fd = cls.fds[tid] = os.open(
+                        f"/proc/self/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC
+                    )
+                out.extend(int(word) for word in os.pread(fd, 65536, 0).split())
+            except (OSError, ValueError):
+                continue
+        return out
+
+    @classmethod
+    def _close(cls) -> None:
+        for fd in cls.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        cls.fds.clear()
+
+    @classmethod
+    def after_fork(cls) -> None:
+        """In a forked child: a read in flight in another thread of the parent left the lock
+        taken, and the descriptors name the parent's threads."""
+        cls.lock = threading.Lock()
+        cls._close()
+        cls.pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_OwnChildren.after_fork)
 
 
 def disk_sleeper(pid: int) -> int:

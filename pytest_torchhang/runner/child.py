@@ -20,8 +20,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from ..capture.tree import become_subreaper, die_with_parent, kill_tree
+from ..capture.kill import kill_tree
 from ..inject import beats, hook
+from ..processwide import become_subreaper, die_with_parent
 
 #: Seconds a child that failed waits (its outcome already written) before it exits.
 LINGER_ENV = "PYTEST_TORCH_HANG_LINGER"

@@ -29,10 +29,11 @@ import psutil
 
 from .. import processwide
 from ..capture import pipeline
-from ..capture.tree import ProcessId, end_helper, same_process
+from ..capture.tree import ProcessId, same_process
 from ..exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
 from ..inject import hook
 from ..inject.hook import DUMP_DIR_ENV
+from ..processwide import end_helper
 from .child import Outcome
 
 START_METHODS = ("zygote", "spawn", "forkserver")

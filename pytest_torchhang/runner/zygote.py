@@ -36,7 +36,7 @@ def _fork(request_path: str) -> int:
 
 def main() -> int:
     """Serve fork requests until stdin closes."""
-    from ..capture.tree import die_with_parent
+    from ..processwide import die_with_parent
 
     # Ctrl-C is pytest's to handle; the zygote ends when pytest closes its stdin, or dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

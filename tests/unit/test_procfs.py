@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchhang.capture import pipeline, procfs, tree, waitgraph
+from pytest_torchhang.capture import pipeline, procfs, tree
 from pytest_torchhang.inject import hook
 from pytest_torchhang.report.model import ProcessReport
 
@@ -182,7 +182,7 @@ def test_the_ownership_snapshot_finds_children_and_grandchildren(
         (child, tree.start_ticks(child)),
         (grand, tree.start_ticks(grand)),
     }
-    assert waitgraph._children(child) == [grand]
+    assert procfs.children(child) == [grand]
     owned = tree.descendants(os.getpid(), before=births)
     assert child not in {p.pid for p in owned} and grand not in {p.pid for p in owned}
 
