@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from pytest_torchhang.capture import waitgraph
+from pytest_torchhang.capture import attach, procfs, waitgraph
 from pytest_torchhang.report.model import TaskWait
 
 FORK = mp.get_context("fork")
@@ -110,8 +110,8 @@ def test_a_stopped_process_and_a_zombie_child_keep_their_facts() -> None:
                 break
             time.sleep(0.05)
         assert graph.members[stopped.pid].stopped
-        assert waitgraph.describe_exit(graph.members[dead.pid].exit_code) == "exited with code 3"
-        assert waitgraph.describe_exit(graph.members[killed.pid].exit_code) == "killed by SIGKILL"
+        assert waitgraph.describe_exit(graph.members[dead.pid].wait_status) == "exited with code 3"
+        assert waitgraph.describe_exit(graph.members[killed.pid].wait_status) == "killed by SIGKILL"
     finally:
         for proc in (stopped, dead, killed):
             proc.kill()
@@ -174,9 +174,9 @@ def test_a_parent_in_wait4_waits_for_its_child() -> None:
         _blocked(parent.pid, "wait4")
         task = _main(parent.pid)
         (edge,) = task.waits_for
-        assert edge.via.startswith("its exit") and edge.pid in waitgraph._children(parent.pid)
+        assert edge.via.startswith("its exit") and edge.pid in procfs.children(parent.pid)
     finally:
-        for child in waitgraph._children(parent.pid):
+        for child in procfs.children(parent.pid):
             os.kill(child, signal.SIGKILL)
         parent.kill()
         parent.wait()
@@ -193,7 +193,7 @@ def test_python_threads_are_matched_to_their_kernel_threads() -> None:
         for stack in stacks:
             stack.tid = 0  # as a faulthandler dump has them: idents only
         member = waitgraph.read([os.getpid()]).members[os.getpid()]
-        waitgraph.match_threads(os.getpid(), stacks, member.tasks)
+        attach.match_threads(os.getpid(), stacks, member.tasks)
         task = next(t for t in member.tasks if t.tid == thread.native_id)
         assert task.python_thread == hex(thread.ident or 0)
     finally:

@@ -10,13 +10,14 @@ import contextlib
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import psutil
 
 from ..diagnosis import engine
 from ..inject.hook import notes_path, role_path
-from ..report.model import HangReport, ProcessReport
-from . import procfs, waitgraph
+from ..report.model import HangReport, ProcessReport, ThreadStack
+from . import attach, collectives, procfs, waitgraph
 from .kill import KillResult, cleanup_shm, kill_tree
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
@@ -170,28 +171,86 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     reader = procfs.ProcReader(deadline=t0 + target.capture_budget_s)
     skip_threads = (skip_threads or set()) | procfs.reader_idents()
     procs, context = _tree(target)
-    cpu_before = {p.pid: _cpu(p) for p in procs}
     # The kernel's evidence and every process's facts first: asking for stacks signals and
     # continues stopped processes, which may then move on, or exit.
+    seen = _before_signals(target, procs, skip_threads, reader, t0)
+    dumps = _take_stacks(target, procs, seen.own_stacks)
+    time.sleep(max(0.0, 0.1 - (time.monotonic() - t0)))  # a CPU sample needs a little time
+    reports = [
+        _with_dump(
+            p,
+            seen.facts[p.pid],
+            dumps.get(p.pid, Dump("gone before its stack could be taken")),
+            seen.cpu_before.get(p.pid, 0.0),
+            seen.own if p.pid == os.getpid() else None,
+        )
+        for p in procs
+    ]
+    env = {p.pid: _environ(reader, p.pid) for p in procs if p.pid != target.root_pid}
+    notes = _add_waits(target, reports, seen.evidence, t0)
+    _label(target, reports, env)
+    notes += _dump_notes(dumps)
+    if target.native:
+        notes += _add_native(target, reports)
+    else:
+        _read_from_outside(reports)
+    report = _explain(target, elapsed, reports, notes)
+    report.processes += _context_facts(context, seen.now, reader)
+    report.notes += reader.notes()
+    began = time.time() - (time.monotonic() - target.started)
+    report.notes += child_notes(target.dump_dir, report.processes, began)
+    report.capture_s = time.monotonic() - t0
+    return report
+
+
+@dataclass
+class _Observed:
+    """What a capture reads before it signals anything."""
+
+    own: set[int]  # kernel ids of the capture's own threads
+    cpu_before: dict[int, float]
+    evidence: waitgraph.Evidence
+    own_stacks: list[ThreadStack] | None  # this process's, when the root is this process
+    now: float  # wall time the facts were read
+    facts: dict[int, ProcessReport]
+
+
+def _reads_itself(target: CaptureTarget) -> bool:
+    """Whether the root is this very process, whose stacks are read directly."""
+    return target.root_in_process and target.roots is None
+
+
+def _before_signals(
+    target: CaptureTarget,
+    procs: list[psutil.Process],
+    skip_threads: set[int],
+    reader: procfs.ProcReader,
+    t0: float,
+) -> _Observed:
+    """CPU times, the wait-for evidence, this process's stacks and every process's facts."""
+    cpu_before = {p.pid: _cpu(p) for p in procs}
     own = _capture_tids(skip_threads)
-    if target.root_in_process and target.roots is None:
+    if _reads_itself(target):
         cpu_before[target.root_pid] = waitgraph.cpu_s(target.root_pid, own)  # not the capture's own
     evidence = waitgraph.read(
         [p.pid for p in procs], own, newer_than_s=t0 - target.started, proc=reader
     )
     own_stacks = None
-    if target.root_in_process and target.roots is None:
+    if _reads_itself(target):
         own_stacks = in_process_threads(skip_threads)  # as the kernel saw them, before any signal
     now = time.time()
     facts = {p.pid: _facts(p, now, Dump(""), cpu_before.get(p.pid, 0.0), reader) for p in procs}
+    return _Observed(own, cpu_before, evidence, own_stacks, now, facts)
+
+
+def _take_stacks(
+    target: CaptureTarget, procs: list[psutil.Process], own_stacks: list[ThreadStack] | None
+) -> dict[int, Dump]:
+    """Every process's stacks by its dump handler (this process's as read before), trimmed."""
     idents: list[ProcessId] = []
     for proc in procs:
         with contextlib.suppress(psutil.Error):
-            if (
-                proc.pid != target.root_pid
-                or not target.root_in_process
-                or target.roots is not None
-            ):
+            if proc.pid != target.root_pid or not _reads_itself(target):
                 idents.append(ProcessId(proc.pid, proc.create_time()))
     dumps = request_dumps(idents, target.dump_dir, target.capture_budget_s)
     if own_stacks is not None:
@@ -200,34 +259,39 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
         for thread in dump.threads:
             trim_pytest_frames(thread)
             trim_plugin_frames(thread)
-    time.sleep(max(0.0, 0.1 - (time.monotonic() - t0)))  # a CPU sample needs a little time
-    reports = [
-        _with_dump(
-            p,
-            facts[p.pid],
-            dumps.get(p.pid, Dump("gone before its stack could be taken")),
-            cpu_before.get(p.pid, 0.0),
-            own if p.pid == os.getpid() else None,
-        )
-        for p in procs
-    ]
-    env = {p.pid: _environ(reader, p.pid) for p in procs if p.pid != target.root_pid}
+    return dumps
+
+
+def _add_waits(
+    target: CaptureTarget,
+    reports: list[ProcessReport],
+    evidence: waitgraph.Evidence,
+    t0: float,
+) -> list[str]:
+    """The wait-for evidence and the ranks' collectives into the reports; returns notes."""
     # Ranks' flight recorders after the CPU sample: answering costs them a little CPU.
-    asked = waitgraph.request_collectives([r.pid for r in reports], target.dump_dir)
+    asked = collectives.request_collectives([r.pid for r in reports], target.dump_dir)
     fr_wait = max(0.3, target.capture_budget_s - (time.monotonic() - t0))
-    wait_notes = waitgraph.attach(
-        reports, evidence, waitgraph.collect_collectives(asked, target.dump_dir, fr_wait)
+    return attach.attach(
+        reports, evidence, collectives.collect_collectives(asked, target.dump_dir, fr_wait)
     )
+
+
+def _label(
+    target: CaptureTarget, reports: list[ProcessReport], env: dict[int, dict[str, str]]
+) -> None:
+    """Roles: what a process said it is, else what its facts and environment show."""
     stated = _roles(target.dump_dir, [r.pid for r in reports])
-    for report_ in reports:
-        report_.role = stated.get(report_.pid, report_.role)
+    for report in reports:
+        report.role = stated.get(report.pid, report.role)
     engine.label_roles(reports, target.root_pid, env, target.root_role)
-    notes: list[str] = wait_notes + _dump_notes(dumps)
-    if target.native:
-        notes += _add_native(target, reports)
-    else:
-        _read_from_outside(reports)
-    report = HangReport(
+
+
+def _explain(
+    target: CaptureTarget, elapsed: float, reports: list[ProcessReport], notes: list[str]
+) -> HangReport:
+    """The report: the headline and the hints the diagnosis reads from the processes."""
+    return HangReport(
         test_id=target.test_id,
         timeout_s=target.timeout_s,
         elapsed_s=elapsed,
@@ -242,12 +306,6 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
         processes=reports,
         notes=notes,
     )
-    report.processes += _context_facts(context, now, reader)
-    report.notes += reader.notes()
-    began = time.time() - (time.monotonic() - target.started)
-    report.notes += child_notes(target.dump_dir, report.processes, began)
-    report.capture_s = time.monotonic() - t0
-    return report
 
 
 def _dump_notes(dumps: dict[int, Dump]) -> list[str]:
@@ -359,19 +417,9 @@ def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
     else:
         result = KillResult()
         for root in target.roots:
-            part = kill_tree(
-                root, exclude=target.exclude, include_root=True, spare_root_helpers=False
-            )
-            result.killed += part.killed
-            result.spared += part.spared
-            result.survivors += part.survivors
-            result.reaped.update(part.reaped)
+            _add_kill(result, target, root)
     for root in target.extra_roots:
-        part = kill_tree(root, exclude=target.exclude, include_root=True, spare_root_helpers=False)
-        result.killed += part.killed
-        result.spared += part.spared
-        result.survivors += part.survivors
-        result.reaped.update(part.reaped)
+        _add_kill(result, target, root)
     result.shm_removed = cleanup_shm(target.shm_since, [p.pid for p in result.killed])
     if report is not None:
         report.killed = [p.pid for p in result.killed]
@@ -380,3 +428,12 @@ def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
         report.shm_removed = result.shm_removed
         report.kill_s = time.monotonic() - started
     return result
+
+
+def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
+    """Kill ``root`` and its tree (runner children: the root too, and its helpers) into ``result``."""
+    part = kill_tree(root, exclude=target.exclude, include_root=True, spare_root_helpers=False)
+    result.killed += part.killed
+    result.spared += part.spared
+    result.survivors += part.survivors
+    result.reaped.update(part.reaped)

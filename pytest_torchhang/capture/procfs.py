@@ -45,7 +45,7 @@ class Stat:
     stime: int
     num_threads: int
     start_ticks: int  # since boot
-    exit_code: int | None  # a zombie's wait status (field 52), when the kernel shows it
+    wait_status: int | None  # a zombie's wait status (field 52), when the kernel shows it
 
     @property
     def cpu_ticks(self) -> int:
@@ -67,7 +67,7 @@ def parse_stat(raw: bytes) -> Stat | None:
             stime=int(fields[12]),
             num_threads=int(fields[17]),
             start_ticks=int(fields[19]),
-            exit_code=int(fields[49]) if len(fields) > 49 else None,
+            wait_status=int(fields[49]) if len(fields) > 49 else None,
         )
     except (IndexError, ValueError):
         return None

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from stat import S_ISFIFO
 
-from ..report.model import Collective, ProcessReport, TaskWait, ThreadStack, WaitEdge
+from ..report.model import TaskWait, WaitEdge
 from . import procfs
 
 #: The whole read is bounded: past this, threads keep their syscall but objects are not resolved.
@@ -68,7 +68,7 @@ class Member:
     pid: int
     ppid: int = 0
     state: str = "?"  # the letter of /proc/PID/stat
-    exit_code: int | None = None  # zombies: what wait() will return (status word)
+    wait_status: int | None = None  # zombies: what wait() will return (the status word)
     cpu_ticks: int = 0
     tasks: list[TaskWait] = field(default_factory=list)
 
@@ -404,7 +404,7 @@ class _Reader:
             target = args[0] if args[0] < 1 << 31 else args[0] - (1 << 64)
         else:  # waitid(idtype, id, ...): P_PID = 1
             target = args[1] if args[0] == 1 else -1
-        children = _children(pid)
+        children = procfs.children(pid)
         wanted = [target] if target > 0 else children
         task.obj = f"waits for child {target} to exit" if target > 0 else "waits for any child"
         for child in wanted:
@@ -451,9 +451,6 @@ def _addr(hexaddr: str) -> str:
             socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
         )
     return f"{ip}:{int(port, 16)}"
-
-
-_children = procfs.children
 
 
 def _unix_peers(timeout_s: float = 0.2) -> dict[str, str]:
@@ -515,7 +512,7 @@ def _member(reader: _Reader, pid: int) -> Member:
         return Member(pid, state="gone")
     member = Member(pid, ppid=stat.ppid, state=stat.state, cpu_ticks=stat.cpu_ticks)
     if member.state in ("Z", "X"):
-        member.exit_code = stat.exit_code
+        member.wait_status = stat.wait_status
         return member
     try:
         tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
@@ -557,7 +554,7 @@ def read(
     # zombie children of members: a rank, a Pool worker, a DataLoader worker that is gone but
     # whose exit status is still there to read
     for pid in list(wanted):
-        for child in _children(pid):
+        for child in procfs.children(pid):
             if child not in evidence.members:
                 member = _member(reader, child)
                 # (start times are counted in clock ticks: allow one)
@@ -591,191 +588,3 @@ def cpu_s(pid: int, skip_tids: set[int] | None = None) -> float:
 def state_word(letter: str) -> str:
     """``stopped`` for ``T``: the words reports use for /proc states."""
     return _STATES.get(letter, letter)
-
-
-# --- the flight recorder of ranks ----------------------------------------------------------------
-
-
-def request_collectives(pids: Iterable[int], dump_dir: str | None) -> list[int]:
-    """Ask every process with a flight-recorder listener for its entries; returns who was asked.
-
-    Opening the FIFO without blocking fails at once where nobody listens, so this never waits.
-    """
-    from ..inject.hook import collectives_path, collectives_request_path
-
-    asked: list[int] = []
-    if dump_dir is None:
-        return asked
-    for pid in pids:
-        fifo = collectives_request_path(dump_dir, pid)
-        if not os.path.exists(fifo):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(collectives_path(dump_dir, pid))
-        try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:
-            continue  # no listener (ENXIO): not a rank, or its listener is gone
-        try:
-            os.write(fd, b"1")
-            asked.append(pid)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return asked
-
-
-def collect_collectives(
-    pids: list[int], dump_dir: str | None, timeout_s: float
-) -> dict[int, list[Collective] | str]:
-    """The entries each asked process wrote (or why not), waiting at most ``timeout_s``."""
-    import json
-
-    from ..inject.hook import collectives_path
-
-    out: dict[int, list[Collective] | str] = {}
-    if dump_dir is None:
-        return out
-    deadline = time.monotonic() + timeout_s
-    waiting = list(pids)
-    while True:
-        for pid in list(waiting):
-            path = collectives_path(dump_dir, pid)
-            try:
-                with open(path) as f:
-                    doc = json.load(f)
-            except (OSError, ValueError):
-                continue
-            waiting.remove(pid)
-            if "error" in doc:
-                out[pid] = f"flight recorder: {doc['error']}"
-            else:
-                out[pid] = [c for c in map(_collective, doc.get("entries", [])) if c is not None]
-        if not waiting or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-    from ..inject.hook import collectives_request_path
-
-    for pid in waiting:
-        if not os.path.exists(collectives_request_path(dump_dir, pid)):
-            # the listener removes its FIFO when it dies, and leaves a note saying why
-            out[pid] = "flight recorder: its listener died before answering"
-            continue
-        out[pid] = "flight recorder: no answer in time (the process may hold the GIL in C)"
-    return out
-
-
-def _collective(entry: dict[str, object]) -> Collective | None:
-    try:
-        seq = int(entry.get("collective_seq_id") or 0)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        return None
-    name = str(entry.get("profiling_name") or "?").split(":", 1)[-1]
-    group = entry.get("process_group")
-    sizes = entry.get("input_sizes")
-    shapes = (
-        [list(s) for s in sizes if isinstance(s, (list, tuple))] if isinstance(sizes, list) else []
-    )
-    return Collective(
-        seq=seq,
-        name=name,
-        group=str(group[1] if isinstance(group, (list, tuple)) and len(group) > 1 else group or ""),
-        sizes=shapes,
-        completed=bool(entry.get("retired")) or entry.get("state") == "completed",
-    )
-
-
-# --- Python threads to kernel threads ------------------------------------------------------------
-
-#: A thread's stack lies below its pthread descriptor; glibc's default stack is 8 MiB.
-_MAX_STACK = 64 << 20
-
-
-def match_threads(pid: int, threads: list[ThreadStack], tasks: list[TaskWait]) -> None:
-    """Tell each kernel thread which Python thread it runs (sets ``TaskWait.python_thread``).
-
-    A Python thread's ident is its ``pthread_t``, the address of the descriptor glibc puts at the
-    top of the thread's stack: the blocked thread's stack pointer lies just below it. The main
-    thread is the task whose id is the pid.
-    """
-    by_tid = {t.tid: t for t in tasks}
-    idents: dict[int, ThreadStack] = {}
-    for thread in threads:
-        if thread.tid and thread.tid in by_tid:
-            by_tid[thread.tid].python_thread = thread.ident
-            continue
-        with contextlib.suppress(ValueError):
-            idents[int(thread.ident, 16)] = thread
-    taken: set[int] = set()
-    for task in tasks:
-        if task.python_thread or task.tid == pid or not task.sp:
-            continue
-        above = [
-            (i - task.sp, i) for i in idents if 0 < i - task.sp < _MAX_STACK and i not in taken
-        ]
-        if above:
-            _, ident = min(above)
-            taken.add(ident)
-            task.python_thread = idents[ident].ident
-    main_task = by_tid.get(pid)
-    left = [t for i, t in idents.items() if i not in taken]
-    if main_task is not None and not main_task.python_thread:
-        main = [t for t in left if t.current] if len(left) > 1 else left
-        if len(main) == 1:
-            main_task.python_thread = main[0].ident
-
-
-# --- into the report -----------------------------------------------------------------------------
-
-
-def attach(
-    reports: list[ProcessReport],
-    evidence: Evidence,
-    collectives: dict[int, list[Collective] | str] | None = None,
-) -> list[str]:
-    """Put the evidence into the process reports (and a report per zombie child); returns notes."""
-    notes = list(evidence.notes)
-    known = {r.pid for r in reports}
-    for report in reports:
-        member = evidence.members.get(report.pid)
-        if member is None:
-            continue
-        report.tasks = member.tasks
-        match_threads(report.pid, report.threads, report.tasks)
-        tids = {t.python_thread: t.tid for t in report.tasks if t.python_thread}
-        for thread in report.threads:
-            thread.tid = thread.tid or tids.get(thread.ident, 0)
-        report.threads.sort(key=lambda t: t.tid != report.pid)  # the main thread first
-        if member.stopped and not report.state.startswith("stopped"):
-            report.state = "stopped (SIGSTOP)"
-    for member in evidence.members.values():
-        if member.pid in known or not member.gone:
-            continue
-        reports.append(
-            ProcessReport(
-                pid=member.pid,
-                ppid=member.ppid,
-                role="",
-                cmdline="",
-                state="zombie",
-                cpu_s=member.cpu_ticks / _TICKS,
-                cpu_delta_s=0.0,
-                rss_bytes=0,
-                num_threads=0,
-                age_s=0.0,
-                dump_status="gone: exited before the deadline",
-                exit_status=describe_exit(member.exit_code),
-            )
-        )
-    for report in reports:
-        got = (collectives or {}).get(report.pid)
-        if isinstance(got, str):
-            notes.append(f"pid {report.pid}: {got}")
-        elif got:
-            report.collectives = got[-MAX_COLLECTIVES:]
-    return notes
-
-
-#: Flight-recorder entries kept per rank (the newest).
-MAX_COLLECTIVES = 8
