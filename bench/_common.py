@@ -20,7 +20,8 @@ from pathlib import Path
 
 #: Where a generated session writes its figures (a JSON document) for the bench script.
 OUT_ENV = "TORCHHANG_BENCH_OUT"
-_INJECT = os.path.join("pytest_torchhang", "_inject")
+#: The injected start-up hook's directory, which a guarded session puts on PYTHONPATH.
+_INJECT = os.path.join("pytest_torchhang", "inject", "site")
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -98,6 +99,26 @@ def run_session(
     figures = json.loads(out.read_text()) if out.exists() else {}
     out.unlink(missing_ok=True)
     return Session(wall, done.returncode, output, figures)
+
+
+def imported_modules(root: Path, args: Sequence[str]) -> dict[str, int]:
+    """module -> its own import time (us) in the session ``pytest args`` run in ``root``, read
+    from ``python -X importtime``."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", *pytest_command(*args)[1:]],
+        cwd=root,
+        env=clean_env(**{OUT_ENV: str(root / f"import-session-{time.monotonic_ns()}.json")}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    own = {}
+    for line in done.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line and "self [us]" not in line:
+            self_us, _cumulative, name = line[len("import time:") :].split("|")
+            own[name.strip()] = int(self_us)
+    return own
 
 
 def median(values: Sequence[float]) -> float:

@@ -14,13 +14,20 @@ modified copy of the package), measured in the same rounds as today's code.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
-from _common import OUT_ENV, clean_env, machine, median, parser, run_session, spread, table
+from _common import (
+    OUT_ENV,
+    imported_modules,
+    machine,
+    median,
+    parser,
+    run_session,
+    spread,
+    table,
+)
 
 # Timed by the session itself: collection, and the run loop after the first test (whose
 # one-off costs, such as starting the plugin's monitor process, are left out: the conftest lets
@@ -138,28 +145,6 @@ def configurations(
     return configs
 
 
-def _imported(root: Path, args: list[str]) -> dict[str, int]:
-    """module -> own import time (us) in a collect-only session, from ``python -X importtime``."""
-    done = subprocess.run(
-        [
-            *(sys.executable, "-X", "importtime", "-m", "pytest", "-q", "-p", "no:cacheprovider"),
-            *(*args, "--collect-only", "test_trivial.py"),
-        ],
-        cwd=root,
-        env=clean_env(**{OUT_ENV: str(root / "import-session.json")}),  # for the conftest
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    own = {}
-    for line in done.stderr.splitlines():
-        if line.startswith("import time:") and "|" in line and "self [us]" not in line:
-            self_us, _cumulative, name = line[len("import time:") :].split("|")
-            own[name.strip()] = int(self_us)
-    return own
-
-
 def import_cost(root: Path, repeats: int) -> tuple[float, float]:
     """What the plugin's import adds to an inert session, in ms: (all of it, the guard's part).
 
@@ -168,18 +153,25 @@ def import_cost(root: Path, repeats: int) -> tuple[float, float]:
     """
     totals, guard = [], []
     for _ in range(repeats):
-        base = _imported(root, ["-p", "no:torchhang", "-p", "no:timeout"])
-        inert = _imported(root, ["-p", "no:timeout"])
+        base = imported_modules(root, ["-p", "no:torchhang", "-p", "no:timeout", *COLLECT])
+        inert = imported_modules(root, ["-p", "no:timeout", *COLLECT])
         added = {name: us for name, us in inert.items() if name not in base}
         totals.append(sum(added.values()) / 1000)
         guard.append(
-            sum(us for name, us in added.items() if name.split(".")[-1] in GUARD_MODULES) / 1000
+            sum(
+                us
+                for name, us in added.items()
+                if name.startswith("pytest_torchhang.") and name.split(".")[1] in GUARD_MODULES
+            )
+            / 1000
         )
     return median(totals), median(guard)
 
 
-#: Modules only a guarded test, a hang or the fixture needs.
-GUARD_MODULES = {"guard", "diagnose", "report", "stacks", "waits", "runner", "native", "child"}
+#: A collect-only session: what the plugin's import costs, without any test run.
+COLLECT = ["--collect-only", "test_trivial.py"]
+#: Packages and modules only a guarded test, a hang or the fixture needs.
+GUARD_MODULES = {"watchdog", "processwide", "capture", "diagnosis", "report", "runner", "monitor"}
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import inspect
 import math
 import os
 import sys
@@ -256,16 +257,18 @@ def pytest_enter_pdb(config: pytest.Config) -> None:
         state.pause(state.current)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_report_from_serializable(
     config: pytest.Config, data: dict[str, object]
-) -> pytest.TestReport | None:
-    """On the pytest-xdist controller, give a worker's hang report its headline back."""
-    if not SUPPORTED:
-        return None
-    from .report import handoff
+) -> Generator[None, object, object]:
+    """On the pytest-xdist controller, give a worker's hang report its headline back (pytest
+    rebuilds the report; the hang's longrepr arrives as its text)."""
+    report = yield
+    if SUPPORTED and isinstance(report, pytest.TestReport) and report.failed:
+        from .report import handoff
 
-    return handoff.from_serializable(data)
+        handoff.restore_longrepr(report)
+    return report
 
 
 def pytest_report_teststatus(
@@ -499,8 +502,7 @@ class _PerTestHooks:
             return None
         from .runner import api
 
-        names = pyfuncitem._fixtureinfo.argnames
-        funcargs = {name: pyfuncitem.funcargs[name] for name in names}
+        funcargs = _own_arguments(pyfuncitem)
         held = pyfuncitem.stash.get(self._key, None)
         due = held.deadline if held is not None else math.inf
         timeout = (
@@ -511,3 +513,22 @@ class _PerTestHooks:
         runner = self.state.get_runner()
         api.run_isolated(runner, pyfuncitem.obj, funcargs, pyfuncitem.nodeid, timeout, held)
         return True
+
+
+def _own_arguments(item: pytest.Function) -> dict[str, object]:
+    """The values of the test function's own arguments, as pytest would pass them.
+
+    pytest's own ``pytest_pyfunc_call`` reads the names from the private
+    ``item._fixtureinfo.argnames``; no public API gives them (pytest 9.0). The public route:
+    the function's signature (a bound method's, without ``self``) less the arguments that have
+    a default (pytest does not fill those), each filled from ``item.funcargs``, which also holds
+    autouse fixtures the function does not take.
+    """
+    funcargs = item.funcargs
+    return {
+        name: funcargs[name]
+        for name, parameter in inspect.signature(item.obj).parameters.items()
+        if parameter.default is inspect.Parameter.empty
+        and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+        and name in funcargs
+    }

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 from . import deadline, settings
-from .inject import beats
 
-# The guard's own modules (psutil, the diagnosis, the runner) are imported when a test is first
-# guarded: a session without a timeout never pays for them.
+# The guard's own modules are imported when a test is first guarded (a session without a
+# timeout never pays for them), and the cold path (psutil, the capture, the diagnosis, the
+# report's rendering, the runner) only when it is used: most sessions never capture anything.
 if TYPE_CHECKING:
     from .capture.target import Births
+    from .inject import beats
     from .monitor.client import MonitorClient
     from .report.model import HangReport
     from .runner import client
@@ -217,6 +218,8 @@ class SessionState:
     def _progress_board(self) -> beats.Reader:
         """A new progress board for the test about to run, named in its environment: processes
         an earlier test left running keep beating into that test's board, never this one."""
+        from .inject import beats  # only stall detection reads a board
+
         assert self.dump_dir is not None
         self._boards += 1
         return beats.new_board(self.dump_dir, self._boards)
@@ -224,6 +227,8 @@ class SessionState:
     def finish(self, held: TestDeadline) -> None:
         """The test is over: lift its deadline, remember what it left running."""
         if held.board is not None:
+            from .inject import beats
+
             beats.end_board(held.board)  # a capture still running reads its last state
         if self.settings.hunt_stress:
             os.environ.pop(STRESS_ENV, None)
@@ -284,6 +289,8 @@ class SessionState:
         seeds = alive & self.started_by_tests
         if not seeds:
             return
+        from .capture import kill
+
         theirs = tree.births_below(pid for pid, _ in seeds)
         own = self.own_pids(start=False)
         described = {}
@@ -291,7 +298,7 @@ class SessionState:
             with contextlib.suppress(Exception):
                 described[proc.pid] = " ".join(proc.cmdline())[:200]
         with _sigchld_ignored():
-            result = tree.kill_tree(me, exclude=own, before=alive - theirs)
+            result = kill.kill_tree(me, exclude=own, before=alive - theirs)
         self.leftovers = [f"{p.pid}: {described.get(p.pid, '?')}" for p in result.killed]
 
     def close(self) -> None:
@@ -300,10 +307,13 @@ class SessionState:
         if self.watchdog is None:
             return
         from . import processwide
-        from .capture import tree
+        from .capture import procfs
 
         self.watchdog.stop()
         if self.monitor is not None:
             self.monitor.stop()
         processwide.release(self._take_error)
-        tree.reap_orphans()
+        if procfs.children(os.getpid()):  # orphans adopted as their subreaper may be left
+            from .capture import kill  # the cold path: psutil; most sessions never need it
+
+            kill.reap_orphans()

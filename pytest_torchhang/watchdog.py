@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 from . import deadline, processwide
 from .deadline import Action, Decision, Event, Kind, Phase, Source
 from .exceptions import HangError
-from .inject import beats
 from .monitor.client import MonitorClient
 from .processwide import INTERRUPT_SIGNAL
-from .report.model import HangReport
 
+# The cold path (the capture, the report model and its rendering) is imported at the first fire.
 if TYPE_CHECKING:
     from .capture.target import CaptureTarget
+    from .inject import beats
+    from .report.model import HangReport
 
 #: Stall detection looks at the progress board at least this often, keeping this many samples.
 SAMPLE_EVERY_S = 5.0
@@ -375,6 +376,8 @@ class Watchdog:
 
 
 def _failed_report(held: TestDeadline, exc: BaseException) -> HangReport:
+    from .report.model import HangReport
+
     target = held.target
     elapsed = time.monotonic() - target.started
     return HangReport(
@@ -424,6 +427,8 @@ def _as_stall(report: HangReport, held: TestDeadline) -> None:
         f"STALL after {_duration(report.elapsed_s)} in {where}: no progress for "
         f"{min(silent, report.elapsed_s):.1f}s ({progress})"
     )
+    from .inject import beats
+
     report.kind = "stall"
     report.progress = {
         "stall_s": held.state.stall_s,

@@ -6,10 +6,9 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
 import pytest
-from _pytest._code.code import TerminalRepr
-from _pytest._io import TerminalWriter
 
 from .model import HangReport
 
@@ -30,14 +29,27 @@ class _Crash:
     lineno: int = 0
 
 
-class HangLongRepr(TerminalRepr):
-    """A hang's ``longrepr``: the headline is the failure message, the report is the text."""
+class _Writer(Protocol):
+    """What ``toterminal`` uses of pytest's terminal writer (private: ``_pytest._io``)."""
+
+    def line(self, s: str = "", **markup: bool) -> None: ...
+
+
+class HangLongRepr:
+    """A hang's ``longrepr``: the headline is the failure message, the report is the text.
+
+    pytest reads a longrepr by duck typing: ``toterminal(writer)`` for the terminal (and
+    ``longreprtext``), ``reprcrash.message`` for the short summary and JUnit XML, ``str()`` for
+    pytest-xdist and JUnit. Its base class ``TerminalRepr`` and its writer are private
+    (``_pytest``); pytest 9.0 exposes neither (pytest-dev/pytest#10436 proposes a public
+    ``TerminalWriter``; no version provides it yet), so this class derives from nothing.
+    """
 
     def __init__(self, headline: str, text: str, path: str = "", lineno: int = 0) -> None:
         self.reprcrash = _Crash(headline, path, lineno)
         self.text = text
 
-    def toterminal(self, tw: TerminalWriter) -> None:
+    def toterminal(self, tw: _Writer) -> None:
         for number, line in enumerate(self.text.splitlines()):
             if number == 0:
                 tw.line(line, red=True, bold=True)
@@ -81,7 +93,9 @@ def mark_hang(
     ]
     if json_path:
         properties.append(("torch_hang_report", json_path))
-    report.longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
+    longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
+    # typed as the private TerminalRepr in pytest; any object with toterminal() is read as one
+    report.longrepr = longrepr  # type: ignore[assignment]
     report.user_properties.extend(properties)
     setattr(report, MODEL_ATTRIBUTE, json.dumps(hang.to_json(), default=str))
     if report.when != "teardown":
@@ -108,20 +122,14 @@ def headline(report: pytest.TestReport) -> str:
     return str(next((v for k, v in report.user_properties if k == HEADLINE_PROPERTY), ""))
 
 
-def from_serializable(data: dict[str, object]) -> pytest.TestReport | None:
-    """A worker's hang report, rebuilt on the pytest-xdist controller with its headline."""
-    if data.get("$report_type") != "TestReport":
-        return None
-    properties = data.get("user_properties")
-    if not isinstance(properties, list) or not any(
-        isinstance(p, (list, tuple)) and p and p[0] == HANG_PROPERTY for p in properties
-    ):
-        return None
-    report = pytest.TestReport._from_json(data)
-    if isinstance(report.longrepr, str):
-        path, lineno, _ = report.location
-        report.longrepr = HangLongRepr(headline(report), report.longrepr, path, (lineno or 0) + 1)
-    return report
+def restore_longrepr(report: pytest.TestReport) -> None:
+    """A worker's hang report, rebuilt on the pytest-xdist controller: its longrepr arrives as
+    the hang's text (pytest-xdist sends ``str(longrepr)``); give it its headline back."""
+    if not is_hang(report) or not isinstance(report.longrepr, str):
+        return
+    path, lineno, _ = report.location
+    longrepr = HangLongRepr(headline(report), report.longrepr, path, (lineno or 0) + 1)
+    report.longrepr = longrepr  # type: ignore[assignment]  # see mark_hang
 
 
 def github_annotation(report: pytest.TestReport) -> str:
