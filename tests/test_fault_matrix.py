@@ -630,7 +630,7 @@ def test_a_dump_request_never_signals_a_recycled_pid(
     # the dump handler (faulthandler's, in C) writes before the marker's Python handler runs
     code = (
         "import signal, sys\n"
-        "from pytest_torchhang import _hook\n"
+        "from pytest_torchhang.inject import hook\n"
         "assert hook.install(sys.argv[1])\n"
         "signal.signal(int(sys.argv[2]), lambda signum, frame: print(signum, flush=True))\n"
         "print('ready', flush=True)\n"
