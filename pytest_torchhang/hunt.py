@@ -45,16 +45,6 @@ FOUND_DIR_KEY = "torchhang_hunt_found_dir"
 PROGRESS_EVERY_S = 5.0
 
 
-def role_kind(role: str) -> str:
-    """``DataLoader worker 1/4 (dataset X)`` -> ``DataLoader worker``; ``rank 0/2`` -> ``rank``."""
-    words = []
-    for word in role.split():
-        if word.startswith("(") or any(c.isdigit() for c in word):
-            break
-        words.append(word)
-    return " ".join(words) or role
-
-
 #: What differs between machines and runs of one hang: addresses, absolute paths, pids.
 _UNSTABLE = [
     (re.compile(r"0x[0-9a-fA-F]+"), "0x?"),
@@ -76,7 +66,7 @@ def signature(hang: HangReport) -> str:
     ``merge-hunts`` can count one hang across the jobs of a CI matrix.
     """
     pairs = {
-        _stable(f"{role_kind(p.role)} in {p.stuck_at}")
+        _stable(f"{p.role_data().general()} in {p.stuck_at}")
         for p in hang.processes
         if p.stuck_at and not p.role.startswith(_NOT_STUCK) and p.state not in ("zombie", "gone")
     }

@@ -51,7 +51,7 @@ _PID_MASK, _EPOCH_MASK, _NUMBER_MASK = (1 << 22) - 1, (1 << 12) - 1, (1 << 26) -
 #: A note that keeps changing while it is read is given up after this many reads.
 _NOTE_READS = 5
 
-_COLLECTIVES = (
+COLLECTIVES = (
     "all_reduce",
     "broadcast",
     "barrier",
@@ -401,7 +401,7 @@ def _patch_collectives(module: ModuleType) -> None:
         return
     package = sys.modules.get("torch.distributed")
     found = 0
-    for name in _COLLECTIVES:
+    for name in COLLECTIVES:
         original = getattr(module, name, None)
         if original is None:
             continue  # an older torch may lack a few
@@ -412,7 +412,7 @@ def _patch_collectives(module: ModuleType) -> None:
             setattr(package, name, wrapped)
     module._torchhang_beats = True  # type: ignore[attr-defined]
     if not found:
-        raise AttributeError(f"none of {', '.join(_COLLECTIVES[:3])}, ... found")
+        raise AttributeError(f"none of {', '.join(COLLECTIVES[:3])}, ... found")
 
 
 #: Module -> its patch and what goes uncounted when the patch fails.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -91,6 +92,108 @@ class Collective:
         return f"#{self.seq} {self.name}" + (f"({sizes})" if sizes else "")
 
 
+#: The parenthesis of a rank started by ``torch.multiprocessing.spawn`` (not a backend).
+SPAWNED = "torch.multiprocessing.spawn"
+_WORKER, _RANK, _PROCESS = "DataLoader worker", "rank", "multiprocessing.Process"
+#: Forms of a role's text, as :meth:`Role.text` writes them (read back by :meth:`Role.parse`).
+_WORKER_TEXT = re.compile(r"^DataLoader worker (\d+)/(\d+)(?: \(dataset (.+)\))?$")
+_RANK_TEXT = re.compile(r"^rank (\d+)/(\d+|\?)(?: \((.+)\))?$")
+_PROCESS_TEXT = re.compile(r"^multiprocessing\.Process\(target=(.+)\)$")
+_DETAIL_TEXT = re.compile(r"^([^()]+?) \(([^()]+)\)$")
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a process is in the test's tree, as data; :meth:`text` renders it, once.
+
+    ``Role("DataLoader worker", index=1, count=4, dataset="Stuck")`` reads
+    ``DataLoader worker 1/4 (dataset Stuck)``; ``Role("rank", rank=1, world=2, backend="gloo")``
+    reads ``rank 1/2 (gloo)``; any other kind reads as itself, with its detail in parentheses.
+    """
+
+    kind: str
+    index: int | None = None  # a DataLoader worker's number among its loader's workers
+    count: int | None = None  # how many workers its loader has
+    dataset: str | None = None  # the Dataset class a worker is in
+    target: str | None = None  # a multiprocessing.Process's target function
+    rank: int | None = None
+    world: int | None = None  # None: the world size is not known
+    backend: str | None = None  # gloo, nccl
+    detail: str | None = None  # anything else worth saying: "xdist worker gw3", how ranks started
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def text(self) -> str:
+        """``DataLoader worker 1/4 (dataset Stuck)``, ``rank 0/2 (gloo)``, ``Pool worker``."""
+        return self._render(None)
+
+    def _render(self, number: str | None) -> str:
+        """The text, with ``number`` in place of the worker's or rank's number when given."""
+        if self.kind == _WORKER:
+            head = f"{_WORKER} {_or_unknown(self.index, number)}/{_or_unknown(self.count)}"
+        elif self.kind == _RANK:
+            head = f"rank {_or_unknown(self.rank, number)}/{_or_unknown(self.world)}"
+        elif self.kind == _PROCESS and self.target:
+            head = f"{_PROCESS}(target={self.target})"
+        else:
+            head = self.kind
+        parts = [f"dataset {self.dataset}" if self.dataset else "", self.backend, self.detail]
+        return head + "".join(f" ({part})" for part in parts if part)
+
+    def general(self) -> str:
+        """The role without its numbers and details (``DataLoader worker``, ``rank``,
+        ``pytest``): what a headline counts and a hunt signature names."""
+        if self.kind in (_WORKER, _RANK):
+            return self.kind
+        # A role given as text (a child's stated role, a helper's name) is cut at its first
+        # number or parenthesis, as hunt signatures have always cut it.
+        words = []
+        for word in self.text().split():
+            if word.startswith("(") or any(c.isdigit() for c in word):
+                break
+            words.append(word)
+        return " ".join(words) or self.text()
+
+    def numbered(self) -> tuple[str, int | None]:
+        """The text with ``{}`` for its number, and the number: (``DataLoader worker {}/8``, 3);
+        (the text, None) for a role without one (ranks of an unknown world included)."""
+        if self.kind == _WORKER and self.index is not None and self.count is not None:
+            return self._render("{}"), self.index
+        if self.kind == _RANK and self.rank is not None and self.world is not None:
+            return self._render("{}"), self.rank
+        return self.text(), None
+
+    @classmethod
+    def parse(cls, text: str) -> Role:
+        """The role of a text that arrived as text: stated by a child of the runner, a helper's
+        name, the root's, or a document written before roles were data. Text this module did
+        not write stays whole, as the kind: ``parse(t).text() == t`` always."""
+        role = cls._parsed(text)
+        return role if role.text() == text else cls(text)
+
+    @classmethod
+    def _parsed(cls, text: str) -> Role:
+        if match := _WORKER_TEXT.match(text):
+            index, count, dataset = match.groups()
+            return cls(_WORKER, index=int(index), count=int(count), dataset=dataset)
+        if match := _RANK_TEXT.match(text):
+            rank, world, said = match.groups()
+            number = None if world == "?" else int(world)
+            if said == SPAWNED:
+                return cls(_RANK, rank=int(rank), world=number, detail=said)
+            return cls(_RANK, rank=int(rank), world=number, backend=said)
+        if match := _PROCESS_TEXT.match(text):
+            return cls(_PROCESS, target=match.group(1))
+        if match := _DETAIL_TEXT.match(text):
+            return cls(match.group(1), detail=match.group(2))
+        return cls(text)
+
+
+def _or_unknown(value: int | None, instead: str | None = None) -> str:
+    return instead if instead is not None else ("?" if value is None else str(value))
+
+
 @dataclass
 class ProcessReport:
     """One process of the tree as it was at the deadline."""
@@ -114,6 +217,12 @@ class ProcessReport:
     tasks: list[TaskWait] = field(default_factory=list)  # every kernel thread, from /proc
     collectives: list[Collective] = field(default_factory=list)  # ranks: the flight recorder
     exit_status: str = ""  # members already gone (zombies): "exited with code 1", ...
+    role_facts: Role | None = None  # the role as data; ``role`` is its text (set by diagnosis)
+    libcuda: bool = False  # libcuda is mapped: the process has initialised CUDA
+
+    def role_data(self) -> Role:
+        """The role as data: ``role_facts``, or, in a report built without them, ``role`` read."""
+        return self.role_facts if self.role_facts is not None else Role.parse(self.role)
 
 
 @dataclass
@@ -238,6 +347,9 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
         for t in doc.get("tasks", [])
     ]
     fields["collectives"] = [Collective(**c) for c in doc.get("collectives", [])]
+    facts = doc.get("role_facts")
+    # a document written before roles were data: its role is read from the text it has
+    fields["role_facts"] = Role(**facts) if facts else Role.parse(doc.get("role", ""))
     return ProcessReport(**fields)
 
 

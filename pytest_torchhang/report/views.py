@@ -148,7 +148,7 @@ def _collective_waits(procs: list[ProcessReport]) -> list[tuple[int, int, str]]:
             continue
         for other in procs:
             started = [c.seq for c in other.collectives if c.group == pending.group]
-            rank = other.role.startswith("rank ") or bool(other.collectives)
+            rank = other.role_data().kind == "rank" or bool(other.collectives)
             if other.pid != proc.pid and rank and max(started, default=0) < pending.seq:
                 label = f"collective {pending.name} #{pending.seq}"
                 edges.append((proc.pid, other.pid, label))
@@ -212,15 +212,9 @@ def _where(proc: ProcessReport) -> str:
     return f"{'busy' if proc.busy else 'in'} {proc.stuck_at}"
 
 
-_NUMBERED = re.compile(r"^(.*?)(\d+)(/\d+.*)$")
-
-
-def _numbered(role: str) -> tuple[str, int | None]:
+def _numbered(proc: ProcessReport) -> tuple[str, int | None]:
     """``DataLoader worker 3/8 (dataset X)`` -> (``DataLoader worker {}/8 (dataset X)``, 3)."""
-    match = _NUMBERED.match(role)
-    if match is None:
-        return role, None
-    return match.group(1) + "{}" + match.group(3), int(match.group(2))
+    return proc.role_data().numbered()
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -260,7 +254,7 @@ def build_graph(hang: HangReport) -> WaitGraph:
     # group: same role but for its number, same parent, place, look and waits
     groups: dict[tuple[object, ...], list[ProcessReport]] = {}
     for proc in hang.processes:
-        template, number = _numbered(proc.role)
+        template, number = _numbered(proc)
         if number is None or proc.pid in cycle:
             key: tuple[object, ...] = ("single", proc.pid)
         else:
@@ -276,11 +270,11 @@ def build_graph(hang: HangReport) -> WaitGraph:
                 nodes.append(node)
                 group_of[proc.pid] = node.key
             continue
-        template, _ = _numbered(members[0].role)
-        numbers = [n for n in (_numbered(p.role)[1] for p in members) if n is not None]
+        template, _ = _numbered(members[0])
+        numbers = [n for n in (_numbered(p)[1] for p in members) if n is not None]
         box = f"g{len(nodes)}"
         role = template.replace("{}", _ranges(numbers))
-        pids = [p.pid for p in sorted(members, key=lambda p: _numbered(p.role)[1] or 0)]
+        pids = [p.pid for p in sorted(members, key=lambda p: _numbered(p)[1] or 0)]
         nodes.append(Node(box, role, pids, _where(members[0]), classes(members[0])))
         group_of.update((p.pid, box) for p in members)
     nodes = _bounded(nodes, group_of, out)

@@ -32,10 +32,16 @@ def recorded_ids(paths: list[Path]) -> list[str]:
 
 
 def diagnosis_digest() -> str:
-    """A digest of the diagnosis code, to tell whether the recordings were diagnosed by it."""
-    from pytest_torchhang.diagnosis import engine
+    """A digest of the diagnosis code (every module of the package, by path), to tell whether
+    the recordings were diagnosed by it."""
+    from pytest_torchhang import diagnosis
 
-    return hashlib.sha256(Path(engine.__file__).read_bytes()).hexdigest()
+    root = Path(diagnosis.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -66,7 +72,7 @@ class Replay:
     def headline(self, report: HangReport) -> str:
         from pytest_torchhang.diagnosis import engine
 
-        (root,) = [p for p in report.processes if p.role.split(" (")[0] == "pytest"]
+        (root,) = [p for p in report.processes if p.role_facts and p.role_facts.kind == "pytest"]
         phase = f" (during {report.phase})" if report.phase != "call" else ""
         return engine.headline(
             report.test_id + phase, report.elapsed_s, self.diagnosed(report), root.pid
@@ -77,23 +83,21 @@ class Replay:
 def replay(monkeypatch: pytest.MonkeyPatch) -> Iterator[Replay]:
     """The diagnosis, made to read the recording machine instead of this one.
 
-    Three things the rules read at diagnosis time are not in the report: which directory is the
-    stdlib (``_is_library``), source lines through ``linecache`` (``_enclosing_class``,
+    Two things the rules read at diagnosis time are not in the report: which directory is the
+    stdlib (``is_library``), and source lines through ``linecache`` (``enclosing_class``,
     ``_taken_twice``: the recorded session's test files are gone, and the stdlib here may be
-    another version's), and ``/proc/PID/maps`` of a fork parent (``_maps_cuda``: the recorded
-    pid may be any process here, or none). The first two come from ``data/recording.json``;
-    the last is answered from the recordings, taken on a machine where no process of the corpus
-    loaded libcuda (its tests never touch a GPU).
+    another version's). Both come from ``data/recording.json``. (Whether a fork parent had
+    libcuda loaded is a fact of the report, ``ProcessReport.libcuda``; the recordings predate
+    it and read False, true of them: the corpus never touches a GPU.)
     """
-    from pytest_torchhang.diagnosis import engine
+    from pytest_torchhang.diagnosis import frames
 
     machine = json.loads(RECORDING.read_text())
-    monkeypatch.setattr(engine, "_STDLIB", machine["stdlib"])
-    monkeypatch.setattr(engine, "_maps_cuda", lambda pid: False)
+    monkeypatch.setattr(frames, "STDLIB", machine["stdlib"])
     for filename, text in machine["sources"].items():
         lines = text.splitlines(keepends=True)
         # mtime None: linecache.checkcache leaves the entry alone
         monkeypatch.setitem(linecache.cache, filename, (len(text), None, lines, filename))
-    engine._enclosing_class.cache_clear()
+    frames.enclosing_class.cache_clear()
     yield Replay(machine)
-    engine._enclosing_class.cache_clear()
+    frames.enclosing_class.cache_clear()

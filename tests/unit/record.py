@@ -24,7 +24,6 @@ under about 2 MB.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import linecache
 import os
@@ -115,7 +114,7 @@ def first_reports(reports: Path) -> dict[str, Path]:
 def read_by_diagnosis(docs: list[dict[str, Any]]) -> set[str]:
     """The source files the diagnosis reads (through linecache) when it runs on ``docs``."""
     from pytest_torchhang.capture.pipeline import CONTEXT_ROLE
-    from pytest_torchhang.diagnosis import engine
+    from pytest_torchhang.diagnosis import engine, frames
     from pytest_torchhang.report.model import HangReport
 
     read: set[str] = set()
@@ -126,7 +125,7 @@ def read_by_diagnosis(docs: list[dict[str, Any]]) -> set[str]:
         return real(filename, module_globals)
 
     linecache.clearcache()
-    engine._enclosing_class.cache_clear()
+    frames.enclosing_class.cache_clear()
     linecache.updatecache = spy
     try:
         for doc in docs:
@@ -186,10 +185,11 @@ def main() -> int:
             path = DATA / f"{name}.json"
             shutil.copyfile(found[name], path)  # as the plugin wrote it, byte for byte
             total += path.stat().st_size
-        diagnosis = HERE.parent.parent / "pytest_torchhang" / "engine.py"
+        from conftest import diagnosis_digest
+
         machine = {
             # the replay checks for an exact match only while this is the diagnosis code
-            "diagnose_sha256": hashlib.sha256(diagnosis.read_bytes()).hexdigest(),
+            "diagnose_sha256": diagnosis_digest(),
             "python": sys.version.split()[0],
             "stdlib": os.path.realpath(sysconfig.get_paths()["stdlib"]),
             "sources": sources([json.loads(found[name].read_text()) for name in CHOSEN]),

@@ -69,7 +69,7 @@ def test_the_replay_gives_what_the_capture_gave(path: Path, replay: Replay) -> N
     """While the diagnosis code is the one that recorded, the replay must reproduce the
     recorded hints and headline exactly: the recording holds everything the rules read."""
     if replay.machine["diagnose_sha256"] != diagnosis_digest():
-        pytest.skip("diagnose.py changed since the recording: re-record to compare exactly")
+        pytest.skip("the diagnosis changed since the recording: re-record to compare exactly")
     report = replay.load(path)
     assert [asdict(h) for h in replay.hints(report)] == [asdict(h) for h in report.hints]
     if report.kind == "hang":  # a stall's headline is the stall's own, made by the watchdog

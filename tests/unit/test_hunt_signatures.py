@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from pytest_torchhang.diagnosis import engine
-from pytest_torchhang.hunt import base_id, role_kind, run_number, signature, wilson
-from pytest_torchhang.report.model import HangReport
+from pytest_torchhang.diagnosis import frames
+from pytest_torchhang.hunt import base_id, run_number, signature, wilson
+from pytest_torchhang.report.model import HangReport, Role
 
 from .conftest import RECORDED, RECORDING, recorded_ids
 
@@ -35,7 +35,8 @@ from .conftest import RECORDED, RECORDING, recorded_ids
     ],
 )
 def test_role_kind_drops_numbers_and_details(role: str, kind: str) -> None:
-    assert role_kind(role) == kind
+    assert Role.parse(role).general() == kind
+    assert Role.parse(role).text() == role  # a role read from text renders as that text
 
 
 @pytest.mark.parametrize(
@@ -156,8 +157,8 @@ def test_the_same_hang_elsewhere_has_the_same_signature(
     moves = {stdlib: "/opt/python3.99/lib/python3.99", "/tmp/": "/home/someone/checkout/"}
     here = HangReport.from_json(doc)
     there = HangReport.from_json(_elsewhere(doc, moves))
-    monkeypatch.setattr(engine, "_STDLIB", "/opt/python3.99/lib/python3.99")
+    monkeypatch.setattr(frames, "STDLIB", "/opt/python3.99/lib/python3.99")
     for proc in there.processes:
-        proc.stuck_at = engine.stuck_at(proc)
+        proc.stuck_at = frames.stuck_at(proc)
     assert [p.pid for p in there.processes] != [p.pid for p in here.processes]
     assert signature(there) == signature(here)

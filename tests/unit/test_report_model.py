@@ -21,10 +21,27 @@ def _doc(path: Path) -> dict[str, object]:
 def test_a_recorded_report_survives_the_round_trip(path: Path) -> None:
     doc = _doc(path)
     report = HangReport.from_json(doc)
-    assert report.to_json() == doc
+    written = report.to_json()
+    # the recordings predate two facts of a process: its role as data, and libcuda
+    added = [{k: p.pop(k) for k in NEW_FACTS} for p in written["processes"]]
+    assert written == doc
+    assert all(a["role_facts"] is not None and a["libcuda"] is False for a in added)
     again = HangReport.from_json(json.loads(json.dumps(report.to_json())))
     assert again == report
+    assert again.to_json() == report.to_json()
     assert again.to_text() == report.to_text()
+
+
+#: Facts of a process that documents written before them lack.
+NEW_FACTS = ("role_facts", "libcuda")
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=recorded_ids(RECORDED))
+def test_a_document_without_role_facts_has_them_read_from_its_role(path: Path) -> None:
+    doc = json.loads(path.read_text())
+    assert all(not set(NEW_FACTS) & set(p) for p in doc["processes"])
+    for proc in HangReport.from_json(doc).processes:
+        assert proc.role_facts is not None and proc.role_facts.text() == proc.role
 
 
 def test_the_rebuilt_report_holds_typed_objects_down_to_the_wait_edges() -> None:
@@ -35,7 +52,8 @@ def test_the_rebuilt_report_holds_typed_objects_down_to_the_wait_edges() -> None
     kinds |= {type(f).__name__ for p in report.processes for t in p.threads for f in t.frames}
     kinds |= {type(t).__name__ for p in report.processes for t in p.tasks}
     kinds |= {type(h).__name__ for h in report.hints}
-    assert kinds == {"ProcessReport", "ThreadStack", "Frame", "TaskWait", "Hint"}
+    kinds |= {type(p.role_facts).__name__ for p in report.processes}
+    assert kinds == {"ProcessReport", "ThreadStack", "Frame", "TaskWait", "Hint", "Role"}
 
 
 def test_every_kind_of_nested_object_is_in_the_recordings() -> None:

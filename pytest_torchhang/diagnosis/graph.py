@@ -1,0 +1,214 @@
+"""The wait-for graph as the rules read it: each thread's wait, whose it is, and who waits."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from ..report.model import ProcessReport, TaskWait, ThreadStack, WaitEdge
+from .frames import located, main_thread, primitive
+from .roles import is_pytest
+
+# Every process report carries its kernel threads (``tasks``), each with the system call it was
+# blocked in and its edges: "this thread waits for process P (through object O)". The rules
+# read those edges, and name the primitive from the Python frames of the same thread.
+
+#: System calls of a thread that sleeps (it wakes up by itself, or on a signal).
+SLEEP_CALLS = ("nanosleep", "clock_nanosleep", "pause", "rt_sigsuspend", "rt_sigtimedwait")
+
+
+_PLUGIN = "pytest_torchhang/"
+
+
+def task_thread(proc: ProcessReport, task: TaskWait) -> ThreadStack | None:
+    """The Python stack of a kernel thread, when it has one."""
+    return next((t for t in proc.threads if t.ident == task.python_thread), None)
+
+
+def main_task(proc: ProcessReport) -> TaskWait | None:
+    """The kernel thread of the process's main Python thread (else its first thread)."""
+    main = main_thread(proc)
+    if main is not None:
+        task = next((t for t in proc.tasks if t.python_thread == main.ident), None)
+        if task is not None:
+            return task
+    return next((t for t in proc.tasks if t.tid == proc.pid), None)
+
+
+def ignored(proc: ProcessReport, task: TaskWait) -> bool:
+    """Threads that release nothing of the test's: the plugin's own (watchdog, monitor), native
+    threads that were there before the test began, and, in the pytest process, Python threads
+    from before the test that are not running (an earlier test's leftovers: they cannot know the
+    pipes and locks this test created)."""
+    thread = task_thread(proc, task)
+    if thread is not None and any(_PLUGIN in f.filename for f in thread.frames[:3]):
+        return True
+    if not task.before_test:
+        return False
+    if thread is None:  # a library's native thread (gloo, OpenMP) of an earlier test
+        return bool(proc.threads)
+    return is_pytest(proc) and task.call != "running" and task.state != "R"
+
+
+#: Libraries that wait with a timeout of their own choosing, only to check for errors, and
+#: then wait again (DataLoader's ``_try_get_data``, a Pool's handler threads, a rank's store).
+_RETRY_LOOPS = (
+    "torch/utils/data/",
+    "torch/distributed/",
+    "multiprocessing/pool.py",
+    "multiprocessing/managers.py",
+    "multiprocessing/queues.py",
+    "multiprocessing/resource_sharer.py",
+)
+
+
+def _user_timeout(proc: ProcessReport, task: TaskWait) -> bool:
+    """A timed wait whose timeout the user chose (``event.wait(1)`` in a loop of theirs): the
+    thread wakes up and may do what others wait for. Not a library's error-checking loop."""
+    thread = task_thread(proc, task)
+    if thread is None:
+        return False  # native threads (gloo, OpenMP) poll with timeouts to check for shutdown
+    paths = [f.filename.replace(os.sep, "/") for f in thread.frames]
+    return not any(loop in path for path in paths for loop in _RETRY_LOOPS)
+
+
+def wait_kind(proc: ProcessReport, task: TaskWait) -> str:
+    """stopped, dead, running, sleeping, blocked (edges in the tree), outside or unknown."""
+    if proc.exit_status:
+        return "dead"
+    if proc.state.startswith("stopped") or task.state in ("T", "t"):
+        return "stopped"
+    if task.call == "running" or task.state == "R":
+        return "running"
+    if task.call in SLEEP_CALLS:
+        return "sleeping"
+    if task.timed and _user_timeout(proc, task):
+        return "sleeping"  # it wakes up by itself, and may then do what others wait for
+    if not task.waits_for:
+        return "unknown"
+    if any(e.pid < 0 for e in task.waits_for):
+        return "outside"
+    return "blocked"
+
+
+def who(proc: ProcessReport) -> str:
+    """``DataLoader worker 0/2 (pid 123)``."""
+    return f"{proc.role} (pid {proc.pid})"
+
+
+def doing(proc: ProcessReport) -> str:
+    """``waits in Event.wait() at ds.py:12``, ``is stopped``: what a process does, in a phrase."""
+    if proc.exit_status:
+        return f"{proc.exit_status} (not reaped yet)"
+    if proc.state.startswith("stopped"):
+        return "is stopped"
+    if proc.busy:
+        return f"is running (+{proc.cpu_delta_s:.2f}s CPU during the capture) in {proc.stuck_at}"
+    task = main_task(proc)
+    thread = task_thread(proc, task) if task else main_thread(proc)
+    name, frame = primitive(thread or main_thread(proc))
+    if task is not None and task.call in SLEEP_CALLS:
+        return f"sleeps{located(frame)}" + (f" in {name}" if name and "sleep" not in name else "")
+    if name:
+        return f"waits in {name}{located(frame)}"
+    call = _call_phrase(task)
+    if call:
+        return f"{call}{located(frame)}"
+    return f"waits in {proc.stuck_at}" if proc.stuck_at else "waits"
+
+
+#: System calls that write, and that read, a pipe or a socket.
+WRITES = ("write", "writev", "sendto", "sendmsg")
+READS = ("read", "readv", "recvfrom", "recvmsg")
+
+
+def _call_phrase(task: TaskWait | None) -> str:
+    """The blocked system call in words, when the Python frames name no primitive."""
+    if task is None or not task.obj:
+        return ""
+    if task.call in WRITES:
+        return f"is blocked writing to {task.obj} (the pipe or socket is full)"
+    if task.call in READS:
+        return f"is blocked reading {task.obj}"
+    if task.call in ("flock", "fcntl"):
+        return f"waits for a {task.obj}"
+    if task.call in ("wait4", "waitid"):
+        return task.obj
+    return ""
+
+
+def edges_to(procs: list[ProcessReport], target: int) -> list[tuple[ProcessReport, WaitEdge]]:
+    """(waiter, edge) for every process with a Python-visible thread that waits for ``target``."""
+    out = []
+    for proc in procs:
+        if proc.pid == target:
+            continue
+        for task in proc.tasks:
+            if ignored(proc, task):
+                continue
+            edge = next((e for e in task.waits_for if e.pid == target), None)
+            if edge is not None and (task.python_thread or not proc.threads):
+                out.append((proc, edge))
+                break
+    return out
+
+
+def waiters_text(waiters: list[tuple[ProcessReport, WaitEdge]]) -> str:
+    """What each waiter does, and through what it waits."""
+    return "; ".join(f"{who(p)} {doing(p)}, through {e.via}" for p, e in waiters)
+
+
+def edge_lines(waiters: list[tuple[ProcessReport, WaitEdge]], target: ProcessReport) -> list[str]:
+    """One line of evidence per waiter: who waits for ``target``, through what."""
+    return [f"{who(p)} waits for pid {target.pid}: {e.via}" for p, e in waiters]
+
+
+def find_knot(procs: list[ProcessReport]) -> dict[int, set[int]]:
+    """Processes whose threads wait only for each other: pid -> the pids they wait for.
+
+    A thread stays in the set while every process it waits for has all its (non-plugin) threads
+    in the set; a process with a running, sleeping, stopped or unreadable thread, or one that
+    waits for something outside the tree, can still move, or is another story.
+    """
+    by_pid = {p.pid: p for p in procs}
+    threads: dict[int, list[TaskWait]] = {
+        p.pid: [t for t in p.tasks if not ignored(p, t)] for p in procs if p.tasks
+    }
+    members: dict[tuple[int, int], set[int]] = {}
+    for pid, tasks in threads.items():
+        for task in tasks:
+            if wait_kind(by_pid[pid], task) == "blocked":
+                members[(pid, task.tid)] = {e.pid for e in task.waits_for if e.pid > 0}
+    changed = True
+    while changed:
+        changed = False
+        stuck = Counter(pid for pid, _ in members)
+        for key, targets in list(members.items()):
+            if any(stuck[t] != len(threads.get(t, [])) or t not in threads for t in targets):
+                del members[key]
+                changed = True
+    out: dict[int, set[int]] = {}
+    stuck = Counter(pid for pid, _ in members)
+    for (pid, _), targets in members.items():
+        if stuck[pid] == len(threads[pid]):
+            out.setdefault(pid, set()).update(targets)
+    return out
+
+
+def components(knots: dict[int, set[int]]) -> list[list[int]]:
+    """The knot's groups of processes that wait for each other, each sorted by pid."""
+    seen: set[int] = set()
+    out = []
+    for start in sorted(knots):
+        if start in seen:
+            continue
+        group, todo = [], [start]
+        while todo:
+            pid = todo.pop()
+            if pid in seen or pid not in knots:
+                continue
+            seen.add(pid)
+            group.append(pid)
+            todo.extend(knots[pid] | {q for q, t in knots.items() if pid in t})
+        out.append(sorted(group))
+    return out

@@ -1,0 +1,1 @@
+"""The diagnosis rules, one module per family of hangs; the engine runs them in order."""

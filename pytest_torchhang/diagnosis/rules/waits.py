@@ -1,0 +1,253 @@
+"""Rules read from the wait-for graph: stopped, dead, deadlock, nothing can release, sleeper,
+outside peer, busy."""
+
+from __future__ import annotations
+
+from ...report.model import Hint, ProcessReport, TaskWait
+from ..frames import collective_of, fork_parent, frame_collective, located, main_thread, primitive
+from ..graph import (
+    READS,
+    components,
+    doing,
+    edge_lines,
+    edges_to,
+    find_knot,
+    main_task,
+    task_thread,
+    wait_kind,
+    waiters_text,
+    who,
+)
+from ..roles import is_helper, is_pytest, is_rank, is_worker
+
+
+def hint_stopped(procs: list[ProcessReport]) -> list[Hint]:
+    """A stopped process (SIGSTOP, a tracer), and who waits for it."""
+    hints = []
+    for proc in procs:
+        if not proc.state.startswith("stopped"):
+            continue
+        main = main_thread(proc)
+        _name, frame = primitive(main)
+        where = f" in {proc.stuck_at}{located(frame)}" if proc.stuck_at else ""
+        waiters = edges_to(procs, proc.pid)
+        text = (
+            f"{who(proc)} is stopped (SIGSTOP or SIGTSTP, or a debugger holds it){where}: it "
+            "does nothing until it gets SIGCONT, and whatever waits for it waits forever. Look for "
+            "what stopped it (a kill -STOP, a job-control signal, a tracer)."
+        )
+        if waiters:
+            text += f" Waiting for it: {waiters_text(waiters)}."
+        hints.append(
+            Hint(
+                text,
+                [
+                    f"pid {proc.pid} was in state T (stopped) in /proc/{proc.pid}/stat, "
+                    "read before the capture continued it",
+                    *edge_lines(waiters, proc),
+                ],
+                rule="stopped",
+                pids=[proc.pid] + [p.pid for p, _ in waiters],
+            )
+        )
+    return hints
+
+
+def hint_dead(procs: list[ProcessReport]) -> list[Hint]:
+    """A child that exited before the deadline, and who waits for it."""
+    hints = []
+    by_pid = {p.pid: p for p in procs}
+    for proc in procs:
+        if not proc.exit_status:
+            continue
+        parent = by_pid.get(proc.ppid)
+        waiters = edges_to(procs, proc.pid)
+        ranks = [p for p in procs if collective_of(p)]  # in a rendezvous or a collective
+        text = (
+            f"{proc.role or 'a child'} (pid {proc.pid}"
+            + (f", child of {who(parent)}" if parent else "")
+            + f") {proc.exit_status} before the deadline and was not reaped yet."
+        )
+        if waiters:
+            text += f" Waiting for it: {waiters_text(waiters)}."
+        if ranks and not is_rank(proc):
+            text += (
+                " Ranks wait for peers meanwhile ("
+                + ", ".join(f"{who(r)} in {collective_of(r)}" for r in ranks)
+                + "): if it was a rank, it died before or during the collective they wait in; "
+                "its output (stderr) says why."
+            )
+        elif not waiters:
+            text += " Its parent may still be waiting for what it was doing."
+        hints.append(
+            Hint(
+                text,
+                [f"pid {proc.pid} is a zombie: {proc.exit_status} (/proc/{proc.pid}/stat)"]
+                + edge_lines(waiters, proc)
+                + [f"{r.role} in {collective_of(r)}" for r in ranks],
+                rule="dead",
+                # not the ranks: the rank rules say what they know about the missing one
+                pids=[proc.pid, *(p.pid for p, _ in waiters)],
+            )
+        )
+    return hints
+
+
+def _why_alone(proc: ProcessReport, task: TaskWait | None, name: str, forked: bool) -> str:
+    vias = " ".join(e.via for e in task.waits_for) if task else ""
+    if "no other thread" in vias:
+        reason = f"it is the only thread of its process{' (threads are not copied by fork)' if forked else ''}"
+    elif "own copy" in vias:
+        reason = "the only write end of the pipe it reads is its own"
+    else:
+        reason = "every other thread of its process waits too"
+    if name == "Future.result()":
+        reason += "; a Future is completed by a pool thread, and the pool's threads were not copied by fork, so nothing will run the task"
+    elif name.startswith(("Event.", "Condition.", "Barrier.")):
+        reason += f"; no live thread can set the {name.split('.')[0]}"
+    elif "acquire" in name:
+        reason += "; nobody can release the lock"
+    return reason
+
+
+def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]:
+    """Processes that wait only for each other (a deadlock), or for a wait nothing can end."""
+    by_pid = {p.pid: p for p in procs}
+    knot = find_knot(procs)
+    hints = []
+    for group in components(knot):
+        listed = [by_pid[p] for p in group if not is_helper(by_pid[p])]
+        pids = {p.pid for p in listed}
+        if not listed or explained & {p for p in pids if not is_pytest(by_pid[p])}:
+            continue
+        if pids <= explained:
+            continue
+        alone = [p for p in listed if knot[p.pid] <= {p.pid}]
+        based = []
+        for proc in listed:
+            task = main_task(proc)
+            edges = [e for e in (task.waits_for if task else []) if e.pid != proc.pid][:4]
+            based.append(
+                f"{who(proc)} blocked in {task.summary() if task else '?'}"
+                + "".join(
+                    f"; waits for pid {e.pid}: {e.via}" if e.pid else f"; {e.via}" for e in edges
+                )
+            )
+        if alone:
+            parts = []
+            for proc in alone:
+                task = main_task(proc)
+                name, frame = primitive(task_thread(proc, task) if task else main_thread(proc))
+                forked = fork_parent(proc, by_pid) is not None or is_worker(proc)
+                parts.append(
+                    f"{who(proc)} waits in {name or proc.stuck_at}{located(frame)}, and nothing can "
+                    f"end that wait: {_why_alone(proc, task, name, forked)}"
+                )
+            others = [p for p in listed if p not in alone]
+            text = ". ".join(parts) + "."
+            if others:
+                text += (
+                    " Waiting for it: " + "; ".join(f"{who(p)} {doing(p)}" for p in others) + "."
+                )
+            rule = "nobody"
+        else:
+            cycle = "; ".join(
+                f"{who(p)} {doing(p)}, for "
+                + ", ".join(f"pid {q}" for q in sorted(knot[p.pid] - {p.pid}) if q in by_pid)
+                for p in listed
+            )
+            text = (
+                f"deadlock: {len(listed)} processes wait only for each other, and none of them can "
+                f"move: {cycle}. Something one of them waits for (a batch, an Event, a lock, a "
+                "message) is only produced after a wait of its own."
+            )
+            rule = "deadlock"
+        hints.append(Hint(text, based, rule=rule, pids=[p.pid for p in listed]))
+    return hints
+
+
+def hint_sleeper(procs: list[ProcessReport]) -> list[Hint]:
+    """A wait whose other end belongs to processes that sleep (a long sleep, or a polling loop)."""
+    by_pid = {p.pid: p for p in procs}
+    hints = []
+    for proc in procs:
+        task = main_task(proc)
+        if task is None or wait_kind(proc, task) != "blocked" or is_helper(proc):
+            continue
+        targets = {e.pid for e in task.waits_for if e.pid > 0 and e.pid != proc.pid}
+        ends = [by_pid.get(t) for t in targets]
+        if not ends or any(e is None or e.busy or e.exit_status for e in ends):
+            continue
+        kinds = {e.pid: wait_kind(e, t) for e in ends if e and (t := main_task(e))}
+        sleepers = [e for e in ends if e and kinds.get(e.pid) == "sleeping"]
+        if not sleepers or any(kinds.get(e.pid) not in ("sleeping", "blocked") for e in ends if e):
+            continue
+        if any(frame_collective(e) for e in sleepers):
+            continue  # a rank polling its store: the rank rules tell why
+        name, frame = primitive(task_thread(proc, task))
+        via = next(e.via for e in task.waits_for if e.pid == sleepers[0].pid)
+        hints.append(
+            Hint(
+                f"{who(proc)} waits in {name or proc.stuck_at}{located(frame)} for "
+                + ", ".join(f"{who(s)}, which {doing(s)}" for s in sleepers)
+                + f" (through {via}): the wait ends only when the sleeper wakes up and acts. A long "
+                "sleep, or a loop that polls for something that never comes.",
+                [f"{who(proc)} blocked in {task.summary()}"]
+                + [f"{who(s)} blocked in {t.summary()}" for s in sleepers if (t := main_task(s))],
+                rule="sleeper",
+                pids=[proc.pid, *(s.pid for s in sleepers)],
+            )
+        )
+    return hints
+
+
+def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
+    """A read on a socket whose peer is no process of this test: a server, a service."""
+    hits, based, pids = [], [], []
+    for proc in procs:
+        task = main_task(proc)
+        if task is None or task.call not in READS or (is_rank(proc) or is_helper(proc)):
+            continue
+        outside = [e for e in task.waits_for if e.pid == -1 and "socket" in e.via]
+        if not outside or any(e.pid > 0 for e in task.waits_for):
+            continue
+        name, frame = primitive(task_thread(proc, task))
+        hits.append(f"{who(proc)} in {name or task.call}{located(frame)}")
+        based.append(f"{who(proc)} blocked in {task.summary()}: {outside[0].via}")
+        pids.append(proc.pid)
+    if not hits:
+        return []
+    return [
+        Hint(
+            f"{len(hits)} process(es) wait for data on a socket whose other end is no process of "
+            f"this test (a server, a service, or a process started before the test): "
+            f"{'; '.join(hits)}. Check that the peer is up and answers, and give the call a timeout.",
+            based,
+            rule="outside",
+            pids=pids,
+        )
+    ]
+
+
+def hint_busy(procs: list[ProcessReport], explained: set[int] | None = None) -> list[Hint]:
+    """Processes that used CPU during the capture, and who waits for them."""
+    busy = [p for p in procs if p.busy and p.pid not in (explained or set())]
+    if not busy:
+        return []
+    waiting = [(b, edges_to(procs, b.pid)) for b in busy]
+    text = (
+        f"{len(busy)} process(es) used CPU during the capture: they are computing or spinning, not "
+        "waiting (an endless loop, a retry loop, or work too slow for the timeout)."
+    )
+    for proc, waiters in waiting:
+        if waiters:
+            text += f" Waiting for {who(proc)}: {waiters_text(waiters)}."
+    return [
+        Hint(
+            text,
+            [f"{p.role} (pid {p.pid}) +{p.cpu_delta_s:.2f}s CPU at {p.stuck_at}" for p in busy]
+            + [line for proc, waiters in waiting for line in edge_lines(waiters, proc)],
+            rule="busy",
+            pids=[p.pid for p in busy],
+        )
+    ]
