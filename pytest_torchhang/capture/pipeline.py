@@ -111,6 +111,7 @@ def _facts(
         age_s=age,
         dump_status=dump.status,
         threads=dump.threads,
+        libcuda=b"libcuda.so" in (reader.file(proc.pid, "maps", 16 << 20) or b""),
     )
 
 
