@@ -10,11 +10,13 @@ also checks that every child is then gone. Run: ``python bench/bench_deadline.py
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
-from _common import OUT_ENV, machine, median, parser, run_session, table
+from _common import OUT_ENV, clean_env, machine, median, parser, run_session, table
 
 TIMEOUT_S = 3.0
 
@@ -45,6 +47,7 @@ CONFTEST = textwrap.dedent(
     f"""
     import json
     import os
+    import sys
     import time
 
     import psutil
@@ -60,6 +63,7 @@ CONFTEST = textwrap.dedent(
 
     def pytest_runtest_logstart(nodeid, location):
         STATE["armed"] = time.monotonic()  # the plugin armed the deadline just before
+        STATE["modules_armed"] = sorted(sys.modules)
 
 
     def pytest_runtest_logreport(report):
@@ -74,6 +78,7 @@ CONFTEST = textwrap.dedent(
             except psutil.NoSuchProcess:
                 pass
         STATE["deadline_to_failed_s"] = failed_at - STATE["armed"] - {TIMEOUT_S}
+        STATE["modules_fired"] = sorted(sys.modules)  # the fire's, and the report's rendering
         STATE["outcome"] = report.outcome
         STATE["alive_at_failure"] = alive
 
@@ -83,6 +88,53 @@ CONFTEST = textwrap.dedent(
             json.dump(STATE, out)
     """
 )
+
+
+#: Imports, in a fresh interpreter, what a guarded session had loaded when its test was armed
+#: (argv[1]), then times the import of what the first fire loaded on top of it (argv[2]).
+IMPORT_TIMER = textwrap.dedent(
+    """
+    import importlib
+    import json
+    import sys
+    import time
+
+    for name in json.loads(sys.argv[1]):
+        importlib.import_module(name)
+    start = time.perf_counter()
+    for name in json.loads(sys.argv[2]):
+        importlib.import_module(name)
+    print(time.perf_counter() - start)
+    """
+)
+#: Packages whose modules count as the plugin's (the test's own imports are left out).
+PLUGIN_PACKAGES = ("pytest_torchhang", "psutil")
+
+
+def _plugin_modules(names: object) -> list[str]:
+    assert isinstance(names, list)
+    return [str(n) for n in names if str(n).split(".")[0] in PLUGIN_PACKAGES]
+
+
+def first_fire_import(figures: dict[str, object], repeats: int) -> tuple[int, float]:
+    """(modules, seconds): what the first fire of a session imports (the cold path: capture,
+    wait-for graph, diagnosis, the report's rendering), and how long that import takes in a
+    fresh interpreter that has what the session had loaded when the test was armed; median of
+    ``repeats`` interpreters."""
+    armed = ["pytest", *_plugin_modules(figures["modules_armed"])]
+    fired = [m for m in _plugin_modules(figures["modules_fired"]) if m not in set(armed)]
+    times = []
+    for _ in range(repeats):
+        done = subprocess.run(
+            [sys.executable, "-c", IMPORT_TIMER, json.dumps(armed), json.dumps(fired)],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        times.append(float(done.stdout.split()[-1]))
+    return len(fired), median(times)
 
 
 def main() -> None:
@@ -98,6 +150,7 @@ def main() -> None:
         (root / "conftest.py").write_text(CONFTEST)
         (root / "test_tree.py").write_text(TEST)
         samples: dict[int, list[dict[str, float]]] = {size: [] for size in sizes}
+        first_session: dict[str, object] = {}
         for _ in range(repeats):
             for size in sizes:  # sizes take turns
                 reports = root / f"reports-{size}-{len(samples[size])}"
@@ -119,6 +172,7 @@ def main() -> None:
                 if len(doc["processes"]) != size + 1:
                     raise RuntimeError(f"expected {size + 1} processes: {len(doc['processes'])}")
                 outside = session.figures
+                first_session = first_session or outside
                 if outside.get("outcome") != "failed" or outside.get("alive_at_failure"):
                     raise RuntimeError(f"children alive when the test failed: {outside}")
                 samples[size].append(
@@ -129,6 +183,7 @@ def main() -> None:
                         "failed": float(outside["deadline_to_failed_s"]),  # type: ignore[arg-type]
                     }
                 )
+    fire_modules, fire_import_s = first_fire_import(first_session, 3 if options.quick else 7)
     for size in sizes:
         col = {k: median([s[k] for s in samples[size]]) for k in samples[size][0]}
         rows.append(
@@ -151,6 +206,11 @@ def main() -> None:
         "\nlate: capture start after the deadline; to dead: late + capture + kill (the report's "
         "times); to test failed: from the deadline to the failed test, every child gone "
         "(measured outside the plugin). Goals: under 0.5 s for 4 processes, under 2 s for 64."
+    )
+    print(
+        f"\nfirst fire: imports {fire_modules} modules of the cold path (capture, wait-for graph, "
+        f"diagnosis, the report's rendering) in {fire_import_s:.3f} s (a fresh interpreter with "
+        "what the session had loaded when the test was armed; part of the first fire's late s)"
     )
 
 

@@ -18,7 +18,8 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"
 EXPECTED = {
     "bench_overhead.py": ["CPU ms/test", "pytest-timeout", "guarding", "inert"],
     "bench_runner.py": ["torch_hang.run", "bare os.fork()", "run / bare fork", "distributed"],
-    "bench_deadline.py": ["processes", "to test failed s"],
+    "bench_deadline.py": ["processes", "to test failed s", "first fire: imports"],
+    "bench_startup.py": ["start-up:", "over pytest-timeout's one-test session", "imports:"],
     "bench_memory.py": ["RSS MiB", "monitor process", "zygote"],
     "profile_overhead.py": ["cum us/test", "--torch-hang-timeout=60", "inert"],
 }
@@ -46,3 +47,20 @@ def test_the_bench_script_runs_and_prints_its_figures(script: str) -> None:
     missing = [line for line in EXPECTED.get(script, []) if line not in done.stdout]
     assert not missing, f"{script} printed no {missing}:\n{output[-4000:]}"
     assert _FIGURE.search(done.stdout), f"{script} printed no figure:\n{output[-4000:]}"
+
+
+def test_a_passing_guarded_session_imports_nothing_of_the_cold_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At session start and per test only the deadline model, the board and the ownership
+    snapshot load; the capture, psutil, the diagnosis, the report's rendering and the runner
+    load at the first fire (issue 16), so a session that captures nothing never pays for them."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _common
+    import bench_startup
+
+    (tmp_path / "test_one.py").write_text(bench_startup.TEST)
+    session = ["--torch-hang-timeout=60", "-p", "no:randomly", "test_one.py"]
+    modules = _common.imported_modules(tmp_path, [*bench_startup.other_plugins(), *session])
+    assert "pytest_torchhang.watchdog" in modules, "the test was not guarded"
+    assert [m for m in modules if bench_startup.is_cold(m)] == []
