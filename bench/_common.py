@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -66,6 +67,8 @@ class Session:
     returncode: int
     output: str
     figures: dict[str, object]
+    #: CPU time (user + system) of the session's process and of every descendant reaped by it
+    cpu_s: float = 0.0
 
 
 def run_session(
@@ -80,6 +83,7 @@ def run_session(
     """Run ``pytest args`` in ``root``; the figures are what the session wrote to ``OUT_ENV``."""
     out = root / f"figures-{time.monotonic_ns()}.json"
     full_env = clean_env(pythonpath, **(env or {}), **{OUT_ENV: str(out)})
+    cpu_before = _children_cpu()
     start = time.perf_counter()
     done = subprocess.run(
         pytest_command(*args),
@@ -91,6 +95,7 @@ def run_session(
         check=False,
     )
     wall = time.perf_counter() - start
+    cpu = _children_cpu() - cpu_before
     output = done.stdout + done.stderr
     if done.returncode not in tuple(expect):
         raise RuntimeError(
@@ -98,7 +103,12 @@ def run_session(
         )
     figures = json.loads(out.read_text()) if out.exists() else {}
     out.unlink(missing_ok=True)
-    return Session(wall, done.returncode, output, figures)
+    return Session(wall, done.returncode, output, figures, cpu)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def imported_modules(root: Path, args: Sequence[str]) -> dict[str, int]:

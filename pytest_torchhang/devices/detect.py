@@ -146,8 +146,7 @@ def detect_gpus(environ: Mapping[str, str] | None = None) -> GpuInventory:
     devices = visible_devices(cvd, physical, uuids)
     if cvd is not None and physical:
         source = f"{source}, {CUDA_VISIBLE_DEVICES}={cvd!r}"
-    build = torch_build()
-    if devices and not build.supports_gpus:
+    if devices and not (build := torch_build()).supports_gpus:  # read only where it matters
         note = f"{len(devices)} present, but torch {build.version} is a CPU-only build"
         return GpuInventory((), source, note=note)
     return GpuInventory(devices, source)
