@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchhang.report.model import SCHEMA_VERSION, HangReport
+from pytest_torchhang.report.model import SCHEMA_VERSION, SPAWNED, HangReport, Role
 
 from .conftest import RECORDED, recorded_ids
 
@@ -81,3 +81,19 @@ def test_a_document_of_another_schema_is_refused_with_what_to_do(
     doc = {**_doc(RECORDED[0]), **change}
     with pytest.raises(ValueError, match=message):
         HangReport.from_json(doc)
+
+
+def test_a_role_is_data_rendered_once_and_kept_as_data_in_the_json() -> None:
+    (path,) = [p for p in RECORDED if p.stem == "test_loading_lock_held_at_fork"]
+    report = HangReport.from_json(_doc(path))
+    worker = next(p for p in report.processes if p.role.startswith("DataLoader worker 1/"))
+    assert worker.role_facts == Role("DataLoader worker", index=1, count=2, dataset="LockedAtFork")
+    again = HangReport.from_json(json.loads(json.dumps(report.to_json())))
+    (same,) = [p for p in again.processes if p.pid == worker.pid]
+    assert same.role_facts == worker.role_facts and same.role == worker.role
+    assert Role("rank", rank=1, world=2, backend="gloo").text() == "rank 1/2 (gloo)"
+    assert str(Role("rank", rank=0, world=None)) == "rank 0/?"
+    assert Role("rank", rank=3, world=8, detail=SPAWNED).numbered() == (
+        "rank {}/8 (torch.multiprocessing.spawn)",
+        3,
+    )
