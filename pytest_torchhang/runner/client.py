@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import psutil
 
@@ -373,18 +373,30 @@ class Runner:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+class _ForkserverPreload:
+    """Whether this process set the forkserver's preload (there is one forkserver a process).
+
+    Remembered here because multiprocessing has no public way to ask whether its forkserver
+    runs; a preload set after its start only applies to a restarted server, so setting it once,
+    at the first forkserver run, is what matters.
+    """
+
+    lock: ClassVar[threading.Lock] = threading.Lock()
+    done: ClassVar[bool] = False
+
+
 def _forkserver_process(request: str, role: str) -> Any:
     """A started ``multiprocessing`` forkserver Process that runs ``request``."""
     import multiprocessing
-    import multiprocessing.forkserver
 
     from .child import run_request
 
     context = multiprocessing.get_context("forkserver")
-    server = multiprocessing.forkserver._forkserver
-    if getattr(server, "_forkserver_pid", 1) is None:
-        # not started yet: let it import torch once instead of in every child
-        context.set_forkserver_preload(["torch", "pytest_torchhang.runner.child"])
+    with _ForkserverPreload.lock:
+        if not _ForkserverPreload.done:
+            # let the server import torch once instead of every child
+            context.set_forkserver_preload(["torch", "pytest_torchhang.runner.child"])
+            _ForkserverPreload.done = True
     process = context.Process(target=run_request, args=(request,), name=role, daemon=False)
     process.start()
     assert process.pid is not None
