@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import procfs
 from .target import Births
@@ -203,17 +203,3 @@ def descendants(
 ) -> list[psutil.Process]:
     """Every live descendant of ``root_pid`` the test owns (see ``split_descendants``)."""
     return split_descendants(root_pid, exclude, before)[0]
-
-
-def __getattr__(name: str) -> Any:
-    # Until session.py imports these from capture.kill and monitor/client.py end_helper from
-    # processwide, where they now live (issue 16); then this goes.
-    if name in ("kill_tree", "reap_orphans"):
-        from . import kill
-
-        return getattr(kill, name)
-    if name == "end_helper":
-        from .. import processwide
-
-        return processwide.end_helper
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -113,7 +113,7 @@ class MonitorClient:
         """End the monitor: closing the pipe makes it exit; bounded wait, then kill."""
         self._close_pipe()
         if self._proc is not None:
-            from ..capture.tree import end_helper
+            from ..processwide import end_helper
 
             end_helper(self._proc, 2.0)
             self._proc = None
