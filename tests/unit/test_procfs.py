@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -115,19 +116,20 @@ def test_the_capture_budget_bounds_every_read_that_can_block() -> None:
 
 
 def test_cmdline_and_environ_match_what_the_process_was_started_with(tmp_path: Path) -> None:
+    code = "import sys; print('up', flush=True); sys.stdin.read()"
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()", "an arg"],
+        [sys.executable, "-c", code, "an arg"],
         stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         env={**os.environ, "RANK": "3"},
     )
     try:
+        assert child.stdout is not None
+        # read after the child runs: straight after Popen it may not have exec'd yet
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        assert ready and child.stdout.readline() == b"up\n"
         reader = procfs.ProcReader()
-        assert reader.cmdline(child.pid) == [
-            sys.executable,
-            "-c",
-            "import sys; sys.stdin.read()",
-            "an arg",
-        ]
+        assert reader.cmdline(child.pid) == [sys.executable, "-c", code, "an arg"]
         assert (reader.environ(child.pid) or {}).get("RANK") == "3"
         assert reader.unread == []
     finally:
