@@ -344,7 +344,9 @@ def child_notes(dump_dir: str | None, processes: list[ProcessReport], since: flo
         for line in raw.splitlines():
             stamp, _, text = line.partition(" ")
             try:
-                if float(stamp) < since:
+                # stamps are rounded to the millisecond: one written as the test began may
+                # read a little earlier than ``since``
+                if float(stamp) < since - 0.001:
                     continue  # an earlier test's, or an earlier process with this pid
             except ValueError:
                 text = line
