@@ -289,6 +289,9 @@ class SessionState:
         seeds = alive & self.started_by_tests
         if not seeds:
             return
+        from .watchdog import forget_torn_out_modules
+
+        forget_torn_out_modules()  # an inner pytester session may have torn the cold path out
         from .capture import kill
 
         theirs = tree.births_below(pid for pid, _ in seeds)
@@ -314,6 +317,9 @@ class SessionState:
             self.monitor.stop()
         processwide.release(self._take_error)
         if procfs.children(os.getpid()):  # orphans adopted as their subreaper may be left
+            from .watchdog import forget_torn_out_modules
+
+            forget_torn_out_modules()  # an inner pytester session may have torn them out
             from .capture import kill  # the cold path: psutil; most sessions never need it
 
             kill.reap_orphans()

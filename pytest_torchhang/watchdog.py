@@ -12,10 +12,12 @@ import contextlib
 import ctypes
 import itertools
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import deadline, processwide
@@ -326,6 +328,7 @@ class Watchdog:
                 if decision.action is Action.FIRE:
                     self._fire(held, decision.kind is Kind.STALL)
                 elif decision.action is Action.REKILL:
+                    forget_torn_out_modules()
                     from .capture import pipeline  # the cold path: loaded at the first fire
 
                     pipeline.kill(held.target)
@@ -348,6 +351,7 @@ class Watchdog:
             target.extra_roots = [pid for pids in held.call_children.values() for pid in pids]
         skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
         try:
+            forget_torn_out_modules()
             from .capture import pipeline  # the cold path: loaded at the first fire
 
             report = pipeline.capture(target, skip_threads=skip)
@@ -373,6 +377,29 @@ class Watchdog:
                 return
         with contextlib.suppress(OSError, ValueError):
             signal.pthread_kill(held.thread_id, INTERRUPT_SIGNAL)
+
+
+def forget_torn_out_modules() -> None:
+    """Make the next import of a cold-path module (``from .capture import pipeline``) load it
+    again if it was torn out of ``sys.modules`` since it was first imported.
+
+    pytester's inline sessions (``runpytest()``, ``inline_run()``) put ``sys.modules`` back as it
+    was after them: a module of the plugin that an inner session loaded first is then gone from
+    it, while a package the outer session had loaded (``capture``) still holds it as an
+    attribute, which ``from package import name`` returns as it is. Such a stale module's psutil
+    looks itself up in ``sys.modules`` and fails (``KeyError: 'psutil'``). Before the cold path
+    loaded at the first fire, the outer session had it loaded from its start.
+    """
+    top = __name__.split(".")[0]
+    ours = [m for n, m in list(sys.modules.items()) if n.split(".")[0] == top and m is not None]
+    for package in ours:
+        for attribute, value in list(vars(package).items()):
+            if (
+                isinstance(value, ModuleType)
+                and value.__name__.startswith(top + ".")
+                and sys.modules.get(value.__name__) is not value
+            ):
+                delattr(package, attribute)
 
 
 def _failed_report(held: TestDeadline, exc: BaseException) -> HangReport:
