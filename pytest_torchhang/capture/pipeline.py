@@ -233,9 +233,7 @@ def _before_signals(
     own = _capture_tids(skip_threads)
     if _reads_itself(target):
         cpu_before[target.root_pid] = waitgraph.cpu_s(target.root_pid, own)  # not the capture's own
-    evidence = waitgraph.read(
-        [p.pid for p in procs], own, newer_than_s=t0 - target.started, proc=reader
-    )
+    evidence = waitgraph.read([p.pid for p in procs], own, began=target.started, proc=reader)
     own_stacks = None
     if _reads_itself(target):
         own_stacks = in_process_threads(skip_threads)  # as the kernel saw them, before any signal

@@ -128,7 +128,8 @@ class _Reader:
         self._unix_peers: dict[str, str] | None = None
         self._locks: list[tuple[bool, str, str, int]] | None = None
         self.members: dict[int, Member] = {}
-        self.newer_than_s: float | None = None
+        #: when the test began, on the clock of /proc's start times (boot time, seconds)
+        self.began_boot_s: float | None = None
 
     def late(self) -> bool:
         return time.monotonic() > self.deadline
@@ -498,12 +499,19 @@ def _parse_unix_msg(msg: bytes, peers: dict[str, str]) -> None:
         offset += (length + 3) & ~3
 
 
-def _age(pid: int, tid: int | None = None) -> float:
-    """Seconds since ``pid`` (or its thread ``tid``) started (infinite when unreadable)."""
+#: Start times in /proc count clock ticks (10 ms): a process started with the test may read
+#: up to a tick earlier than the test's own start.
+_TICK_SLACK_S = 0.05
+
+
+def _started_before(began_boot_s: float, pid: int, tid: int | None = None) -> bool:
+    """Whether ``pid`` (or its thread ``tid``) started before the test began (``began_boot_s``,
+    boot-clock seconds). Both sides are instants, not ages: how late the capture reads them
+    changes nothing (ages taken at two moments made a busy machine's answer differ)."""
     stat = procfs.stat(pid, tid)
     if stat is None:
-        return float("inf")
-    return time.clock_gettime(time.CLOCK_BOOTTIME) - stat.start_ticks / _TICKS
+        return True
+    return stat.start_ticks / _TICKS < began_boot_s - _TICK_SLACK_S
 
 
 def _member(reader: _Reader, pid: int) -> Member:
@@ -522,8 +530,8 @@ def _member(reader: _Reader, pid: int) -> Member:
         if tid in reader.skip_tids:
             continue
         task = reader.task(pid, tid)
-        if reader.newer_than_s is not None and tid != pid:
-            task.before_test = _age(pid, tid) > reader.newer_than_s + 0.05
+        if reader.began_boot_s is not None and tid != pid:
+            task.before_test = _started_before(reader.began_boot_s, pid, tid)
         member.tasks.append(task)
     return member
 
@@ -532,13 +540,14 @@ def read(
     pids: Iterable[int],
     skip_tids: set[int] | None = None,
     budget_s: float = BUDGET_S,
-    newer_than_s: float | None = None,
+    began: float | None = None,
     proc: procfs.ProcReader | None = None,
 ) -> Evidence:
     """What every thread of ``pids`` (and their zombie children) waits for, bounded by ``budget_s``.
 
     ``skip_tids``: threads of the calling process that belong to the capture itself;
-    ``newer_than_s``: zombies older than this are left out (an earlier test's leftovers).
+    ``began``: when the test began (``time.monotonic()``); zombies older than that are left
+    out (an earlier test's leftovers), and threads older than that are marked ``before_test``.
     Nothing is signalled or traced; files that cannot be read leave their fields empty. Reads
     that can block go through ``proc`` (a capture's reader, which then holds their notes).
     """
@@ -547,7 +556,8 @@ def read(
     own_reader = proc is None
     proc = proc or procfs.ProcReader(deadline=start + budget_s)
     reader = _Reader(wanted, skip_tids or set(), start + budget_s, proc)
-    reader.newer_than_s = newer_than_s
+    if began is not None:  # the monotonic instant on the boot clock, both read at one moment
+        reader.began_boot_s = began + time.clock_gettime(time.CLOCK_BOOTTIME) - time.monotonic()
     evidence = Evidence()
     for pid in wanted:
         evidence.members[pid] = _member(reader, pid)
@@ -558,7 +568,10 @@ def read(
             if child not in evidence.members:
                 member = _member(reader, child)
                 # (start times are counted in clock ticks: allow one)
-                if member.gone and (newer_than_s is None or _age(child) <= newer_than_s + 0.05):
+                began_boot_s = reader.began_boot_s
+                if member.gone and (
+                    began_boot_s is None or not _started_before(began_boot_s, child)
+                ):
                     evidence.members[child] = member
     if reader.late():
         evidence.notes.append(
