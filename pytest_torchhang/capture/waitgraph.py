@@ -6,6 +6,7 @@ import contextlib
 import os
 import platform
 import re
+import signal
 import socket
 import struct
 import time
@@ -97,15 +98,9 @@ def describe_exit(status: int | None) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         with contextlib.suppress(ValueError):
-            return f"killed by {_signal_name(sig)}"
+            return f"killed by {signal.Signals(sig).name}"
         return f"killed by signal {sig}"
     return f"exited with code {os.WEXITSTATUS(status)}"
-
-
-def _signal_name(sig: int) -> str:
-    import signal
-
-    return signal.Signals(sig).name
 
 
 _read = procfs.text  # files that never block; maps and mem go through the bounded reader
