@@ -72,6 +72,9 @@ LABELS: dict[str, Label] = {
     "test_loading_openmp_after_the_parent_ran_ops": _label(
         "openmp_after_fork", "OpenMP after fork", role="DataLoader worker 0/1"
     ),
+    "test_loading_openmp_in_a_library_op_after_worker_init_raises_threads": _label(
+        "openmp_after_fork", "OpenMP after fork", "worker_init_fn", role="DataLoader worker 0/1"
+    ),
     # data sharing and resources between processes
     "test_sharing_thread_join_while_holding_its_lock": _label(
         "nobody", "Thread.join()", role="pytest"

@@ -137,6 +137,16 @@ def _call_phrase(task: TaskWait | None) -> str:
     return ""
 
 
+def blocked_line(proc: ProcessReport) -> str:
+    """The graph's fact about a process's main thread, as evidence: its blocking call and what
+    it waits for."""
+    task = main_task(proc)
+    edges = [e for e in (task.waits_for if task else []) if e.pid != proc.pid][:4]
+    return f"{who(proc)} blocked in {task.summary() if task else '?'}" + "".join(
+        f"; waits for pid {e.pid}: {e.via}" if e.pid else f"; {e.via}" for e in edges
+    )
+
+
 def edges_to(procs: list[ProcessReport], target: int) -> list[tuple[ProcessReport, WaitEdge]]:
     """(waiter, edge) for every process with a Python-visible thread that waits for ``target``."""
     out = []

@@ -207,3 +207,23 @@ def test_loading_openmp_after_the_parent_ran_ops():
     (a @ a).sum()  # starts this process's OpenMP pool
     for _ in _loader(ManyThreads(), num_workers=1, worker_init_fn=_more_threads):
         pass
+
+
+class Resized(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        image = torch.randn(1, 3, 256, 256)
+        return torch.nn.functional.interpolate(image, size=(512, 512))  # a library's parallel op
+
+
+def _two_threads(worker_id):
+    torch.set_num_threads(2)  # "a bit faster": undoes the DataLoader's set_num_threads(1)
+
+
+def test_loading_openmp_in_a_library_op_after_worker_init_raises_threads():
+    a = torch.randn(1024, 1024)
+    (a @ a).sum()  # starts this process's OpenMP pool
+    for _ in _loader(Resized(), num_workers=1, worker_init_fn=_two_threads):
+        pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import linecache
+import os
 import re
 
 from ...report.model import Frame, Hint, ProcessReport
@@ -15,7 +16,7 @@ from ..frames import (
     is_library,
     main_thread,
 )
-from ..graph import main_task
+from ..graph import blocked_line, main_task
 from ..roles import is_worker
 
 _BLOCKING_CALLS = (
@@ -47,13 +48,15 @@ def hint_openmp_after_fork(procs: list[ProcessReport]) -> list[Hint]:
         return []
     return [
         Hint(
-            f"{len(hits)} forked process(es) are stuck (blocked or spinning) in a C call made straight "
-            "from their code, forked from a multi-threaded parent, with every thread of theirs waiting "
+            f"{len(hits)} forked process(es) are stuck (blocked or spinning) in a C call made from "
+            "their code (directly or through a torch wrapper), forked from a multi-threaded parent, with every thread of theirs waiting "
             "on a futex or spinning: if that call is a torch op, this is OpenMP after fork (the parent "
             "ran torch ops before forking; its thread pool does not survive fork). Call "
             "torch.set_num_threads(1) in the child before any op (a DataLoader does, unless "
             "worker_init_fn raises it again), or start it with spawn/forkserver.",
-            [hit for _, hit in hits],
+            # the graph's generic fact (nothing in the process can end the wait) is evidence
+            # under this cause, not a hint of its own
+            [hit for _, hit in hits] + [blocked_line(by_pid[pid]) for pid, _ in hits],
             rule="openmp_after_fork",
             pids=sorted({pid for pid, _ in hits}),
         )
@@ -74,7 +77,9 @@ def _openmp_hit(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> str:
         return ""
     top = main.frames[0]
     line = top.line
-    if is_library(top) or not line or any(call in line for call in _BLOCKING_CALLS):
+    if (is_library(top) and not _torch_op(top)) or not line:
+        return ""
+    if any(call in line for call in _BLOCKING_CALLS):
         return ""
     strict = is_worker(proc)  # their own loop sets 1 thread
     if not ("torch" in line or "@" in line or (not strict and "." in line)):
@@ -84,10 +89,34 @@ def _openmp_hit(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> str:
         if proc.tasks
         else ""
     )
+    caller = next((f for f in main.frames if not is_library(f)), None)
+    called = (
+        f", called from {caller.filename}:{caller.lineno}: {caller.line}"
+        if caller and caller is not top
+        else ""
+    )
     return (
         f"{proc.role} (pid {proc.pid}), forked from pid {parent.pid} ({parent.num_threads} "
-        f"threads), at {top.filename}:{top.lineno}: {line}{threads}"
+        f"threads), at {top.filename}:{top.lineno}: {line}{called}{threads}"
     )
+
+
+#: torch's Python wrappers of its C ops (``F.interpolate``, ``Tensor.__matmul__``, a module's
+#: forward): a stack whose innermost frame is one of them is in the op itself. Not the data
+#: loading, distributed or multiprocessing code, which waits on purpose.
+_TORCH_OP_FILES = (
+    "torch/nn/functional.py",
+    "torch/nn/modules/",
+    "torch/functional.py",
+    "torch/_tensor.py",
+    "torchvision/transforms/",
+)
+
+
+def _torch_op(frame: Frame) -> bool:
+    """The frame is a torch wrapper calling straight into a C op."""
+    path = frame.filename.replace(os.sep, "/")
+    return any(part in path for part in _TORCH_OP_FILES) and "torch" in frame.line
 
 
 def hint_cuda_before_fork(procs: list[ProcessReport]) -> list[Hint]:

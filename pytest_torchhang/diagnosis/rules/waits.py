@@ -7,6 +7,7 @@ from ...report.model import Hint, ProcessReport, TaskWait
 from ..frames import collective_of, fork_parent, frame_collective, located, main_thread, primitive
 from ..graph import (
     READS,
+    blocked_line,
     components,
     doing,
     edge_lines,
@@ -123,16 +124,7 @@ def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]
         if pids <= explained:
             continue
         alone = [p for p in listed if knot[p.pid] <= {p.pid}]
-        based = []
-        for proc in listed:
-            task = main_task(proc)
-            edges = [e for e in (task.waits_for if task else []) if e.pid != proc.pid][:4]
-            based.append(
-                f"{who(proc)} blocked in {task.summary() if task else '?'}"
-                + "".join(
-                    f"; waits for pid {e.pid}: {e.via}" if e.pid else f"; {e.via}" for e in edges
-                )
-            )
+        based = [blocked_line(proc) for proc in listed]
         if alone:
             parts = []
             for proc in alone:
