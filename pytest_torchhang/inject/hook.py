@@ -10,7 +10,10 @@ import faulthandler
 import os
 import signal
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 #: Set by the plugin while a timeout is armed; names the directory for per-process dump files.
 DUMP_DIR_ENV = "PYTEST_TORCH_HANG_DUMP_DIR"
@@ -37,6 +40,11 @@ def collectives_request_path(dump_dir: str, pid: int) -> str:
 def collectives_path(dump_dir: str, pid: int) -> str:
     """The JSON file a rank writes its flight-recorder entries to, on request."""
     return os.path.join(dump_dir, f"{pid}.collectives.json")
+
+
+def stderr_path(dump_dir: str, pid: int) -> str:
+    """The file where process ``pid`` keeps a copy of the last text it wrote to ``sys.stderr``."""
+    return os.path.join(dump_dir, f"{pid}.stderr")
 
 
 def notes_path(dump_dir: str, pid: int) -> str:
@@ -96,6 +104,119 @@ class _Registration:
     group_since_ns = 0
 
 
+#: A process's stderr file is cut back to its last ``STDERR_KEEP_BYTES`` once it passes
+#: ``STDERR_FILE_BYTES``: the report shows at most 20 lines / 4 KiB of it (capture/pipeline.py).
+STDERR_FILE_BYTES = 64 * 1024
+STDERR_KEEP_BYTES = 8 * 1024
+
+
+class StderrTail:
+    """``sys.stderr`` as it was, which also appends what is written to it to ``PID.stderr``.
+
+    A child's stderr is usually a file or terminal it shares with the rest of the tree (pytest's
+    capture file), so only the child itself can tell which lines are its own: the tracebacks
+    that ``threading.excepthook``, ``sys.excepthook`` and multiprocessing's queue feeder thread
+    (a batch that cannot be pickled) print there often say why the tree hangs. The user's
+    stream is written first and unchanged; the copy never raises (a failure becomes a note and
+    ends the copying). Writes to ``sys.stderr.buffer`` or to fd 2 directly are not seen.
+    """
+
+    def __init__(self, stream: TextIO, dump_dir: str) -> None:
+        self._torchhang_stream = stream
+        self._torchhang_dir = dump_dir
+        self._torchhang_fd = -1
+        self._torchhang_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file we opened
+        self._torchhang_pid = 0  # the process that opened it: a fork child opens its own
+        self._torchhang_size = 0
+        self._torchhang_off = False
+
+    def write(self, text: str) -> int:
+        """Write to the user's stream, then copy ``text`` to this process's file."""
+        written = self._torchhang_stream.write(text)
+        if not self._torchhang_off and text and isinstance(text, str):
+            try:
+                self._torchhang_keep(text.encode("utf-8", "replace"))
+            except Exception as exc:  # never into user code: say it, and stop copying
+                self._torchhang_off = True
+                child_note(
+                    f"pytest-torchhang stopped keeping the stderr lines of pid {os.getpid()} "
+                    f"(the report will not show them): {type(exc).__name__}: {exc}"
+                )
+        return written
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        """Each line through :meth:`write` (the stream's own would bypass the copy)."""
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> object:
+        # everything else (flush, fileno, encoding, isatty, buffer, ...) is the stream's own
+        return getattr(self._torchhang_stream, name)
+
+    def __repr__(self) -> str:
+        return repr(self._torchhang_stream)
+
+    def _torchhang_keep(self, data: bytes) -> None:
+        fd = self._torchhang_file()
+        if fd < 0:
+            return
+        os.write(fd, data)
+        self._torchhang_size += len(data)
+        if self._torchhang_size > STDERR_FILE_BYTES:
+            # Cut back to the tail in place (the descriptor stays valid for other threads; at
+            # worst a line written by another thread in this instant is lost from the copy).
+            keep = os.pread(fd, STDERR_KEEP_BYTES, max(self._torchhang_size - STDERR_KEEP_BYTES, 0))
+            os.ftruncate(fd, 0)
+            os.write(fd, keep)  # O_APPEND: at the new end, which is 0
+            self._torchhang_size = len(keep)
+
+    def _torchhang_file(self) -> int:
+        """Our descriptor for this process's file, (re)opened when it is not ours any more."""
+        fd, pid = self._torchhang_fd, os.getpid()
+        if fd >= 0:
+            # Code that closes every descriptor and opens files of its own may have been given
+            # our number: write only to (or close) the file we opened.
+            try:
+                st = os.fstat(fd)
+                ours = (st.st_dev, st.st_ino) == self._torchhang_id
+            except OSError:
+                ours = False
+            if ours and pid == self._torchhang_pid:
+                return fd
+            if ours:  # a fork child's copy of its parent's descriptor
+                os.close(fd)
+            self._torchhang_fd = -1
+        path = stderr_path(self._torchhang_dir, pid)
+        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(path, flags | (os.O_TRUNC if pid != self._torchhang_pid else 0), 0o600)
+        st = os.fstat(fd)
+        self._torchhang_fd, self._torchhang_pid = fd, pid
+        self._torchhang_id = (st.st_dev, st.st_ino)
+        self._torchhang_size = st.st_size
+        return fd
+
+
+def keep_stderr_tail() -> bool:
+    """Copy what this process writes to ``sys.stderr`` to its file in the dump directory.
+
+    For the processes of a guarded tree only (the start-up hook and every fork of a guarded
+    process call it; pytest captures its own stderr). Returns False when there is no dump
+    directory or no ``sys.stderr``. Idempotent: an inherited wrapper is kept (it opens this
+    process's own file at its first write).
+    """
+    import sys
+
+    dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
+    stream = sys.stderr
+    if not dump_dir or stream is None:
+        return False
+    if isinstance(stream, StderrTail):
+        stream._torchhang_dir = dump_dir
+        return True
+    sys.stderr = StderrTail(stream, dump_dir)
+    return True
+
+
 def guarded_env() -> dict[str, str]:
     """Extra environment variables every process of a guarded tree gets, unless the user set them.
 
@@ -130,8 +251,24 @@ def _register() -> None:
             pass
 
 
+def _after_fork() -> None:
+    """A fork child of a guarded process is a process of the tree: its own dump file, and its
+    own stderr tail (a fork of the pytest process included, whose stderr pytest does not show
+    as the child's)."""
+    _register()
+    if _Registration.dump_dir is not None:
+        try:
+            keep_stderr_tail()
+        except Exception as exc:
+            child_note(
+                f"pytest-torchhang could not keep the stderr lines of pid {os.getpid()}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+
+
 def install(dump_dir: str | None = None) -> bool:
-    """Register the dump handler for this process and, through ``os.register_at_fork``, its forks.
+    """Register the dump handler for this process and, through ``os.register_at_fork``, its forks
+    (which also keep their stderr tail: see :func:`keep_stderr_tail`).
 
     Returns False (and does nothing) when no dump directory is configured or it does not exist.
     """
@@ -147,7 +284,7 @@ def install(dump_dir: str | None = None) -> bool:
     _Registration.dump_dir = dump_dir
     _register()
     if not _Registration.fork_hook_installed:
-        os.register_at_fork(after_in_child=_register)
+        os.register_at_fork(after_in_child=_after_fork)
         _Registration.fork_hook_installed = True
     try:  # ranks' collectives are a bonus: never break the start-up
         _install_finder()

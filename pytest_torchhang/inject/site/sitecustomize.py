@@ -1,8 +1,8 @@
 """Injected into guarded tests' child interpreters through PYTHONPATH; chains to the real one.
 
-It installs pytest-torchhang's stack-dump handler, then removes its own folder from ``sys.path``
-and imports the ``sitecustomize`` it shadows (a distribution's or the user's), so nothing else
-changes for the child.
+It installs pytest-torchhang's stack-dump handler and its copy of the child's last stderr
+lines, then removes its own folder from ``sys.path`` and imports the ``sitecustomize`` it
+shadows (a distribution's or the user's), so nothing else changes for the child.
 """
 
 import importlib.util as _ilu
@@ -68,7 +68,9 @@ def _torchhang_bootstrap() -> None:
     try:
         hook = _load(package_dir, "hook")
         step = "install its stack-dump handler"
-        hook.install()  # type: ignore[attr-defined]
+        if hook.install():  # type: ignore[attr-defined]
+            step = "keep its stderr lines"
+            hook.keep_stderr_tail()  # type: ignore[attr-defined]
         if _os.environ.get("PYTEST_TORCH_HANG_PROGRESS"):  # stall detection is armed
             step = "install its progress beats"
             _load(package_dir, "beats").install()  # type: ignore[attr-defined]
