@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import psutil
 
 from ..diagnosis import engine
-from ..inject.hook import notes_path, role_path
-from ..report.model import HangReport, ProcessReport, ThreadStack
+from ..inject.hook import STDERR_KEEP_BYTES, notes_path, role_path, stderr_path
+from ..report.model import HangReport, ProcessReport, StderrTail, ThreadStack
 from . import attach, collectives, procfs, waitgraph
 from .kill import KillResult, cleanup_shm, kill_tree
 from .native import native_stacks, tool_available
@@ -195,10 +195,16 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
         notes += _add_native(target, reports)
     else:
         _read_from_outside(reports)
-    report = _explain(target, elapsed, reports, notes)
-    report.processes += _context_facts(context, seen.now, reader)
-    report.notes += reader.notes()
     began = time.time() - (time.monotonic() - target.started)
+    # Before the diagnosis, which may read them: a traceback there often says the cause.
+    fill_stderr_tails(target.dump_dir, reports, began)
+    gone = gone_stderr_tails(target.dump_dir, {r.pid for r in reports}, began)
+    report = _explain(target, elapsed, reports, notes)
+    report.gone_stderr = gone
+    context_facts = _context_facts(context, seen.now, reader)
+    fill_stderr_tails(target.dump_dir, context_facts, began)
+    report.processes += context_facts
+    report.notes += reader.notes()
     report.notes += child_notes(target.dump_dir, report.processes, began)
     report.capture_s = time.monotonic() - t0
     return report
@@ -351,6 +357,92 @@ def child_notes(dump_dir: str | None, processes: list[ProcessReport], since: flo
             if text.strip():
                 out.append(f"{who}: {text.strip()}")
     return list(dict.fromkeys(out))
+
+
+#: What a report shows of one process's stderr: its last lines, within a size (issue 18).
+STDERR_TAIL_LINES = 20
+STDERR_TAIL_CHARS = 4096
+#: Processes gone before the capture whose stderr is shown, the latest writers first.
+MAX_GONE_STDERR = 8
+
+
+def stderr_tail(text: str, partial_first: bool = False) -> list[str]:
+    """The last lines of ``text`` (blank lines left out), at most ``STDERR_TAIL_LINES`` of them
+    and ``STDERR_TAIL_CHARS`` in all; a longer last line keeps its end. A line rewritten after
+    a carriage return (a progress bar) reads as a terminal shows it, its last state; other
+    control characters (a colour code) are shown escaped."""
+    lines = text.split("\n")
+    if partial_first and lines:
+        lines = lines[1:]  # read from the middle of the file: its first line is cut
+    out: list[str] = []
+    left = STDERR_TAIL_CHARS
+    for raw in reversed(lines):
+        shown = raw.rstrip("\r").rpartition("\r")[2]
+        line = "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in shown)
+        if not line.strip():
+            continue
+        if len(line) > left:
+            if not out:
+                out.append("..." + line[len(line) - left + 3 :])
+            break
+        out.append(line.rstrip())
+        left -= len(line)
+        if len(out) == STDERR_TAIL_LINES:
+            break
+    return out[::-1]
+
+
+def read_stderr_tail(path: str, since: float) -> tuple[list[str], float]:
+    """The tail of one process's stderr file and when it was last written (wall time);
+    nothing when it was last written before ``since`` (an earlier process with this pid, or
+    an earlier test's lines). Reads at most ``STDERR_KEEP_BYTES``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return [], 0.0
+    try:
+        st = os.fstat(fd)
+        if st.st_mtime < since - 0.01:  # mtime and ``since`` come from two clocks' readings
+            return [], st.st_mtime
+        start = max(st.st_size - STDERR_KEEP_BYTES, 0)
+        raw = os.pread(fd, STDERR_KEEP_BYTES, start)
+    except OSError:
+        return [], 0.0
+    finally:
+        os.close(fd)
+    return stderr_tail(raw.decode("utf-8", "replace"), partial_first=start > 0), st.st_mtime
+
+
+def fill_stderr_tails(dump_dir: str | None, processes: list[ProcessReport], since: float) -> None:
+    """Each process's last stderr lines (``hook.StderrTail`` keeps them in ``PID.stderr``)."""
+    if dump_dir is None:
+        return
+    for proc in processes:
+        proc.stderr_tail = read_stderr_tail(stderr_path(dump_dir, proc.pid), since)[0]
+
+
+def gone_stderr_tails(dump_dir: str | None, known: set[int], since: float) -> list[StderrTail]:
+    """The last stderr lines of processes that wrote some since ``since`` and are gone (not in
+    ``known``, no longer in /proc): a child that printed its traceback and exited."""
+    if dump_dir is None:
+        return []
+    try:
+        names = os.listdir(dump_dir)
+    except OSError:
+        return []
+    found: list[tuple[float, StderrTail]] = []
+    for name in names:
+        stem, _, ext = name.partition(".")
+        if ext != "stderr" or not stem.isdigit() or int(stem) in known:
+            continue
+        pid = int(stem)
+        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+            continue  # alive, so not of this tree (a session's helper), or a reused pid
+        lines, written = read_stderr_tail(os.path.join(dump_dir, name), since)
+        if lines:
+            found.append((written, StderrTail(pid, lines)))
+    found.sort(key=lambda item: -item[0])
+    return sorted((tail for _, tail in found[:MAX_GONE_STDERR]), key=lambda t: t.pid)
 
 
 def _context_facts(

@@ -219,6 +219,7 @@ class ProcessReport:
     exit_status: str = ""  # members already gone (zombies): "exited with code 1", ...
     role_facts: Role | None = None  # the role as data; ``role`` is its text (set by diagnosis)
     libcuda: bool = False  # libcuda is mapped: the process has initialised CUDA
+    stderr_tail: list[str] = field(default_factory=list)  # its last lines on sys.stderr, bounded
 
     def role_data(self) -> Role:
         """The role as data: ``role_facts``, or, in a report built without them, ``role`` read."""
@@ -233,6 +234,14 @@ class Hint:
     based_on: list[str] = field(default_factory=list)
     rule: str = ""  # the rule that found it (the corpus test counts right / wrong per rule)
     pids: list[int] = field(default_factory=list)  # the processes it explains
+
+
+@dataclass
+class StderrTail:
+    """The last lines a process of the tree that is gone by the capture wrote to its stderr."""
+
+    pid: int
+    lines: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -256,6 +265,8 @@ class HangReport:
     notes: list[str] = field(default_factory=list)
     kind: str = "hang"  # "hang": past its deadline; "stall": no progress for the stall time
     progress: dict[str, Any] = field(default_factory=dict)  # a stall's progress, bounded
+    #: Processes of the tree gone (and reaped) before the capture that wrote to their stderr.
+    gone_stderr: list[StderrTail] = field(default_factory=list)
 
     def to_text(self) -> str:
         """The report as a user reads it in the terminal, a failure message or a log."""
@@ -273,8 +284,12 @@ class HangReport:
         budget = MAX_TEXT_CHARS - len(head) - len(tail) - 300
         blocks, left_out = [], 0
         roles = {p.pid: p.role for p in self.processes}
-        for proc in self.processes:
-            block = _cap("\n".join(_process_text(proc, roles)), MAX_BLOCK_CHARS)
+        gone = [
+            [f"--- process {t.pid}, gone before the capture", *_stderr_lines(t.lines), ""]
+            for t in self.gone_stderr
+        ]
+        for lines in [*(_process_text(p, roles) for p in self.processes), *gone]:
+            block = _cap("\n".join(lines), MAX_BLOCK_CHARS)
             if len(block) + 1 <= budget:
                 blocks.append(block)
                 budget -= len(block) + 1
@@ -309,6 +324,14 @@ class HangReport:
     def to_json(self) -> dict[str, Any]:
         """The report as the versioned JSON document (see README, "JSON report")."""
         doc = asdict(self)
+        # A process's stderr lines are there only for processes that wrote some (and the gone
+        # ones' only when there are any): a reader takes a missing key as none, as in a
+        # document written before they were kept.
+        if not doc["gone_stderr"]:
+            del doc["gone_stderr"]
+        for proc in doc["processes"]:
+            if not proc["stderr_tail"]:
+                del proc["stderr_tail"]
         doc["schema"] = "pytest-torchhang/hang-report"
         doc["schema_version"] = SCHEMA_VERSION
         return doc
@@ -333,6 +356,7 @@ class HangReport:
         fields = {k: v for k, v in doc.items() if k not in ("schema", "schema_version")}
         fields["hints"] = [Hint(**h) for h in doc.get("hints", [])]
         fields["processes"] = [_process_from_json(p) for p in doc.get("processes", [])]
+        fields["gone_stderr"] = [StderrTail(**t) for t in doc.get("gone_stderr", [])]
         return cls(**fields)
 
 
@@ -397,6 +421,7 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
         return [
             f"--- process {proc.pid} [{proc.role}] parent {proc.ppid}, {proc.state}: "
             f"{proc.exit_status}, not reaped yet",
+            *_stderr_lines(proc.stderr_tail),
             "",
         ]
     tasks = {t.python_thread: t for t in proc.tasks if t.python_thread}
@@ -455,5 +480,12 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
     if proc.native:
         out.append("    stacks read with pystack/py-spy (most recent call last):")
         out.extend(f"        {line}" for line in proc.native.splitlines())
+    out.extend(_stderr_lines(proc.stderr_tail))
     out.append("")
     return out
+
+
+def _stderr_lines(tail: list[str]) -> list[str]:
+    if not tail:
+        return []
+    return ["    last stderr lines:", *(f"        {line}" for line in tail)]
