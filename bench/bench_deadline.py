@@ -210,7 +210,8 @@ def main() -> None:
     print(
         f"\nfirst fire: imports {fire_modules} modules of the cold path (capture, wait-for graph, "
         f"diagnosis, the report's rendering) in {fire_import_s:.3f} s (a fresh interpreter with "
-        "what the session had loaded when the test was armed; part of the first fire's late s)"
+        "what the session had loaded when the test was armed); the watchdog loads it "
+        "0.5 s before a test's first deadline, so it is not part of late s"
     )
 
 

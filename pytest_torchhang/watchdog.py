@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 #: Stall detection looks at the progress board at least this often, keeping this many samples.
 SAMPLE_EVERY_S = 5.0
 MAX_SAMPLES = 120
+#: The cold path (capture, diagnosis, rendering) loads this long before a test's first deadline,
+#: on this thread, so that its import (tens of ms) does not delay the capture, nor the hang's
+#: time in its headline; a session whose tests end in time never loads it.
+PRELOAD_S = 0.5
+_COLD_PATH = __name__.rsplit(".", 1)[0] + ".capture.pipeline"
 #: A second capture of the same phase is kept as a note of the first: this many frames a thread.
 NOTE_FRAMES = 6
 
@@ -253,6 +258,7 @@ class Watchdog:
         # (id of the deadline, what the monitor was last told of it, fixtures' processes)
         self._told: tuple[int, tuple[float, float] | str | None, int] = (0, None, 0)
         self._stopping = False
+        self._preloaded = False  # the cold path, before the first deadline (see PRELOAD_S)
         self._thread = threading.Thread(target=self._run, name="torch-hang watchdog", daemon=True)
         self._thread.start()
 
@@ -297,7 +303,8 @@ class Watchdog:
             target = held.target
             self._monitor.board.arm(*state, target.before or (), target.test_id)
 
-    def _next(self) -> tuple[TestDeadline, Decision] | None:
+    def _next(self) -> tuple[TestDeadline, Decision | None] | None:
+        """The next decision to execute, or None (with a test) to load the cold path first."""
         with self._cond:
             while not self._stopping:
                 current = self._current
@@ -312,6 +319,11 @@ class Watchdog:
                 wake = decision.wake
                 if current.state.stall_s and current.state.phase is Phase.ARMED:
                     wake = min(wake, time.monotonic() + SAMPLE_EVERY_S)  # the stall history
+                if not self._preloaded and _COLD_PATH not in sys.modules:
+                    preload_at = current.deadline - PRELOAD_S
+                    if preload_at <= time.monotonic():
+                        return current, None
+                    wake = min(wake, preload_at)
                 self._wake_at = wake
                 timeout = wake - time.monotonic()
                 if timeout > 0:
@@ -321,6 +333,9 @@ class Watchdog:
     def _run(self) -> None:
         while (due := self._next()) is not None:
             held, decision = due
+            if decision is None:
+                self._preload()
+                continue
             try:
                 restarted = self._monitor.check()
                 if restarted:
@@ -337,6 +352,15 @@ class Watchdog:
                 self._errors.append(f"the watchdog failed on {held.target.test_id}: {exc!r}")
                 if held.state.phase is Phase.FIRING:
                     held.fire_done(_failed_report(held, exc))
+
+    def _preload(self) -> None:
+        self._preloaded = True
+        try:
+            forget_torn_out_modules()
+            from .capture import pipeline  # noqa: F401  (the cold path: see PRELOAD_S)
+        except Exception as exc:  # the fire imports it again, and reports what fails then
+            self._errors.append(f"pytest-torchhang could not load its capture: {exc!r}")
+            self._preloaded = True  # no retry loop
 
     def _fire(self, held: TestDeadline, stalled: bool) -> None:
         self._monitor.send("FIRED")
