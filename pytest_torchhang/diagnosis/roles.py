@@ -22,6 +22,8 @@ PYTEST = "pytest"
 POOL_WORKER = Role("Pool worker")
 MANAGER_SERVER = Role("Manager server")
 EXITED = Role("exited child")  # a zombie: no stack, no environment, no command line
+TORCHRUN_AGENT = Role("torchrun agent")  # torch.distributed.run's elastic agent
+TORCHRUN = "torchrun"  # how a rank started, when its parent is a torchrun agent
 
 _THREAD_ROLES: list[tuple[str, tuple[str, ...], str]] = [
     ("torch/utils/data/_utils/pin_memory.py", ("_pin_memory_loop",), "pin-memory thread"),
@@ -86,6 +88,7 @@ def label_roles(
         _label_threads(proc)
     workers: dict[int, list[ProcessReport]] = {}
     ranks: dict[int, list[ProcessReport]] = {}
+    agents = {p.pid for p in processes if not p.role and _is_torchrun_agent(p)}
     for proc in processes:
         if proc.pid == root_pid and not proc.role:
             _set(proc, Role.parse(root_role))
@@ -97,8 +100,10 @@ def label_roles(
             _set(proc, Role.parse(proc.role))
         elif has_frame(proc, "torch/utils/data/_utils/worker.py", "_worker_loop"):
             workers.setdefault(proc.ppid, []).append(proc)
+        elif proc.pid in agents:
+            _set(proc, TORCHRUN_AGENT)
         elif "RANK" in env.get(proc.pid, {}):
-            _set(proc, _rank_from(env[proc.pid]))
+            _set(proc, _rank_from(env[proc.pid], TORCHRUN if proc.ppid in agents else None))
         elif has_frame(proc, "torch/multiprocessing/spawn.py", "_wrap"):
             ranks.setdefault(proc.ppid, []).append(proc)
         else:
@@ -123,13 +128,28 @@ def _label_threads(proc: ProcessReport) -> None:
                 break
 
 
-def _rank_from(env: dict[str, str]) -> Role:
+def _rank_from(env: dict[str, str], started: str | None = None) -> Role:
     """A rank's role from the variables torch.distributed reads (RANK, WORLD_SIZE)."""
+    backend = env.get("TORCH_HANG_BACKEND") or None
     return Role(
         RANK,
         rank=_number(env["RANK"]),
         world=_number(env.get("WORLD_SIZE", "")),
-        backend=env.get("TORCH_HANG_BACKEND") or None,
+        backend=backend,
+        detail=started if backend is None else None,  # one parenthesis: the text parses back
+    )
+
+
+#: Command-line words of torch's elastic launcher (``python -m torch.distributed.run``,
+#: ``torchrun``); accelerate and deepspeed start one of them under their own name.
+_TORCHRUN_WORDS = ("torch.distributed.run", "torch.distributed.launch", "torchrun")
+
+
+def _is_torchrun_agent(proc: ProcessReport) -> bool:
+    """torchrun's elastic agent: by its command line, or by its frames (the agent's loop)."""
+    words = proc.cmdline.replace("/", " ").split()
+    return any(word in words for word in _TORCHRUN_WORDS) or has_frame(
+        proc, "torch/distributed/elastic/agent/server/api.py", "_invoke_run"
     )
 
 

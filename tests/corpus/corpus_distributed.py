@@ -2,8 +2,11 @@
 
 import fcntl
 import os
+import subprocess
+import sys
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
@@ -132,3 +135,25 @@ def _p2p(rank, store):
 
 def test_distributed_both_ranks_receive(tmp_path):
     tmp.start_processes(_p2p, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")
+
+
+TRAIN_DIVERGES = """
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR
+dist.all_reduce(torch.ones(16))
+if dist.get_rank() == 0:
+    dist.all_reduce(torch.ones(1024))
+else:
+    dist.barrier()
+"""
+
+
+@pytest.mark.torch_hang(timeout=30)  # torchrun, then each rank, import torch: seconds each
+def test_distributed_torchrun_ranks_diverge(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_DIVERGES)
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    subprocess.run([*run, str(script)], check=True)

@@ -3,6 +3,8 @@ outside peer, busy."""
 
 from __future__ import annotations
 
+import re
+
 from ...report.model import Hint, ProcessReport, TaskWait
 from ..frames import collective_of, fork_parent, frame_collective, located, main_thread, primitive
 from ..graph import (
@@ -176,6 +178,8 @@ def hint_sleeper(procs: list[ProcessReport]) -> list[Hint]:
             continue
         if any(frame_collective(e) for e in sleepers):
             continue  # a rank polling its store: the rank rules tell why
+        if any(_supervises(s, procs) or _short_sleep(s) for s in sleepers):
+            continue  # a link of a chain, or a loop that wakes up soon: no cause to name
         name, frame = primitive(task_thread(proc, task))
         via = next(e.via for e in task.waits_for if e.pid == sleepers[0].pid)
         hints.append(
@@ -191,6 +195,32 @@ def hint_sleeper(procs: list[ProcessReport]) -> list[Hint]:
             )
         )
     return hints
+
+
+def _supervises(proc: ProcessReport, procs: list[ProcessReport]) -> bool:
+    """A poller of its own children (torchrun's agent, a loop over ``Popen.poll()`` or
+    ``Process.is_alive()``): whatever its children do, stuck or computing, is the story, and
+    other rules tell it. Not when a child waits for it: then its sleep is what holds them."""
+    children = [p for p in procs if p.ppid == proc.pid and not p.exit_status and not is_helper(p)]
+    return bool(children) and not any(edges_to([c], proc.pid) for c in children)
+
+
+_SLEEP_CALL = re.compile(r"\bsleep\(\s*(\d+(?:\.\d*)?|\.\d+)\s*\)")
+
+#: A sleep shorter than this, written as a number in the source, wakes up before anyone could
+#: call the wait a hang: the process is pacing itself (a rate limiter, a polling loop).
+_SHORT_SLEEP_S = 2.0
+
+
+def _short_sleep(proc: ProcessReport) -> bool:
+    """The process sleeps in ``time.sleep(<a number under _SHORT_SLEEP_S>)``, by its source line."""
+    task = main_task(proc)
+    thread = task_thread(proc, task) if task else main_thread(proc)
+    for frame in (thread.frames if thread else [])[:3]:
+        match = _SLEEP_CALL.search(frame.line)
+        if match:
+            return float(match.group(1)) < _SHORT_SLEEP_S
+    return False
 
 
 def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
