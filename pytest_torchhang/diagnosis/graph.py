@@ -222,3 +222,33 @@ def components(knots: dict[int, set[int]]) -> list[list[int]]:
             todo.extend(knots[pid] | {q for q, t in knots.items() if pid in t})
         out.append(sorted(group))
     return out
+
+
+def chain(procs: list[ProcessReport], start: ProcessReport) -> tuple[list[ProcessReport], str]:
+    """Follow what ``start`` waits for, one releaser after the other, to the chain's end:
+    (the processes in order, and how it ends: ``cycle`` when it comes back to one of them,
+    else the last one's wait kind: stopped, dead, running, sleeping, outside, unknown, or
+    ``split`` where a wait has several releasers)."""
+    by_pid = {p.pid: p for p in procs}
+    path = [start]
+    while True:
+        proc = path[-1]
+        task = main_task(proc)
+        kind = "dead" if proc.exit_status else (wait_kind(proc, task) if task else "unknown")
+        if kind != "blocked" or task is None:
+            return path, "running" if proc.busy else kind
+        targets = {e.pid for e in task.waits_for if e.pid > 0 and e.pid != proc.pid}
+        if len(targets) != 1 or next(iter(targets)) not in by_pid:
+            return path, "split" if targets else "unknown"
+        nxt = by_pid[next(iter(targets))]
+        if nxt in path:
+            return path[path.index(nxt) :], "cycle"
+        path.append(nxt)
+
+
+def cycle_text(cycle: list[ProcessReport]) -> str:
+    """``pytest (pid 1) -> A (pid 2) -> B (pid 3) -> pytest (pid 1)``, from the pytest process
+    when it is in the cycle (where the user's code starts)."""
+    first = next((k for k, p in enumerate(cycle) if is_pytest(p)), 0)
+    ordered = cycle[first:] + cycle[:first]
+    return " -> ".join(who(p) for p in [*ordered, ordered[0]])

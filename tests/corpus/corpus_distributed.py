@@ -157,3 +157,16 @@ def test_distributed_torchrun_ranks_diverge(tmp_path):
     script.write_text(TRAIN_DIVERGES)
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     subprocess.run([*run, str(script)], check=True)
+
+
+def _computes(rank, store):
+    _join(rank, store)
+    if rank == 1:
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # a long step on one rank: it will get there
+            torch.ones(64, 64).sum()
+    dist.barrier()
+
+
+def test_distributed_slow_rank_computes(tmp_path):
+    tmp.start_processes(_computes, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")

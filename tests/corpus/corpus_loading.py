@@ -227,3 +227,17 @@ def test_loading_openmp_in_a_library_op_after_worker_init_raises_threads():
     (a @ a).sum()  # starts this process's OpenMP pool
     for _ in _loader(Resized(), num_workers=1, worker_init_fn=_two_threads):
         pass
+
+
+class RateLimited(Dataset):
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, index):
+        time.sleep(0.25)  # a service's rate limit: four requests a second
+        return torch.ones(1)
+
+
+def test_loading_slow_rate_limited_worker():
+    for _ in _loader(RateLimited(), num_workers=1):  # passes, after 25 s
+        pass

@@ -240,3 +240,35 @@ def test_sharing_a_service_that_never_answers():
 
     with socket.create_connection(("127.0.0.1", PORT)) as conn:
         conn.recv(1)  # no timeout
+
+
+def _read_from_the_test(read_fd):  # B
+    os.read(read_fd, 1)  # only the test holds the write end: it writes after its join
+
+
+def _join_a_reader(read_fd, write_fd):  # A
+    os.close(write_fd)  # neither A nor B can write: B's only writer is the test
+    reader = FORK.Process(target=_read_from_the_test, args=(read_fd,))
+    reader.start()
+    reader.join()
+
+
+def test_sharing_join_chain_back_to_the_test():
+    read_fd, write_fd = os.pipe()
+    middle = FORK.Process(target=_join_a_reader, args=(read_fd, write_fd))
+    middle.start()
+    middle.join()  # the test joins A, A joins B, B waits for the write below
+    os.write(write_fd, b"x")
+
+
+SUPERVISOR = """
+import subprocess, sys, time
+work = "import time; end = time.monotonic() + 30\\nwhile time.monotonic() < end: pass"
+children = [subprocess.Popen([sys.executable, "-c", work]) for _ in range(2)]
+while any(child.poll() is None for child in children):  # healthy: they compute
+    time.sleep(0.2)
+"""
+
+
+def test_sharing_slow_supervisor_polling_healthy_children():
+    subprocess.run([sys.executable, "-c", SUPERVISOR], check=True)  # passes, after 30 s

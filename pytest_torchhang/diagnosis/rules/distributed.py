@@ -96,6 +96,8 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
             "for a recv, or the wrong src/dst)." + detail
         )
     elif waiting and len(waiting) < len(ranks):
+        if all(p.busy for p in ranks if not where[rank_no(p)]):
+            return []  # the others compute, on their way to it or in a loop: the busy rule says
         text = _missing_rank(procs, ranks, where, based) + detail
     else:
         return []

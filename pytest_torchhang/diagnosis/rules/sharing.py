@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ..frames import has_frame, in_file, innermost, located, main_thread, primitive
-from ..graph import doing, main_task, task_thread, who
+from ..graph import chain, cycle_text, doing, main_task, task_thread, who
 from ..roles import MANAGER_SERVER, POOL_WORKER, is_helper, is_pytest, is_rank, role_of
 
 
@@ -149,6 +149,22 @@ def _reads(proc: ProcessReport) -> list[tuple[TaskWait, Frame | None]]:
     return out
 
 
+def _cycle_through(
+    procs: list[ProcessReport], reader: ProcessReport, writers: list[ProcessReport | None]
+) -> str:
+    """The cycle the reader is in when each writer's wait leads back to it, in words."""
+    for writer in writers:
+        if writer is None or writer.pid == reader.pid:
+            continue
+        path, end = chain(procs, writer)
+        if end == "cycle" and reader in path:
+            return (
+                f". Those waits form a cycle: {cycle_text(path)}; none of them can move until "
+                "one of them stops waiting (write before you wait, or do not wait for it)"
+            )
+    return ""
+
+
 def hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
     """Reads of a pipe or socket whose writers are in the tree and idle: nothing will come."""
     by_pid = {p.pid: p for p in procs}
@@ -176,6 +192,7 @@ def hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
             )
             hits.append(
                 f"{who(proc)} reads {task.obj}{located(frame)}; the other end is held by {ends}"
+                + _cycle_through(procs, proc, writers)
             )
             based.append(f"{who(proc)} blocked in {task.summary()}")
             based += [f"  {e.via}: pid {e.pid}" for e in task.waits_for]
