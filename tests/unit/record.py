@@ -51,6 +51,8 @@ CHOSEN = (
     "test_loading_workers_wait_for_a_file_lock_the_parent_holds",
     "test_loading_openmp_after_the_parent_ran_ops",
     "test_loading_future_result_after_fork",
+    "test_loading_openmp_in_a_library_op_after_worker_init_raises_threads",
+    "test_loading_slow_rate_limited_worker",
     # processes, pipes and queues
     "test_sharing_join_before_draining_a_queue",
     "test_sharing_manager_lock_leaked",
@@ -62,6 +64,8 @@ CHOSEN = (
     "test_sharing_the_test_itself_sleeps",
     "test_sharing_a_service_that_never_answers",
     "test_sharing_thread_join_while_holding_its_lock",
+    "test_sharing_join_chain_back_to_the_test",
+    "test_sharing_slow_supervisor_polling_healthy_children",
     # a stall: no progress for the stall time (tests/test_stall.py)
     "test_freezes_in_its_third_epoch",
     # gloo ranks
@@ -69,6 +73,8 @@ CHOSEN = (
     "test_distributed_rank_never_reaches_the_collective",
     "test_distributed_both_ranks_receive",
     "test_distributed_rank_died_before_init",
+    "test_distributed_torchrun_ranks_diverge",
+    "test_distributed_slow_rank_computes",
 )
 
 
