@@ -10,7 +10,7 @@ import faulthandler
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -149,7 +149,7 @@ class StderrTail:
         for line in lines:
             self.write(line)
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> Any:
         # everything else (flush, fileno, encoding, isatty, buffer, ...) is the stream's own
         return getattr(self._torchhang_stream, name)
 
