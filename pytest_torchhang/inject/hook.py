@@ -151,6 +151,8 @@ class StderrTail:
 
     def __getattr__(self, name: str) -> Any:
         # everything else (flush, fileno, encoding, isatty, buffer, ...) is the stream's own
+        if name.startswith("_torchhang_"):  # not set yet (a copy made without __init__)
+            raise AttributeError(name)
         return getattr(self._torchhang_stream, name)
 
     def __repr__(self) -> str:
