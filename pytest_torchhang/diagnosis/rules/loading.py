@@ -75,6 +75,8 @@ def _openmp_hit(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> str:
         or not _omp_stuck(proc)
     ):
         return ""
+    if proc.busy and not is_worker(proc):
+        return ""  # a rank or child that computes spins like libgomp: only a worker's is telling
     top = main.frames[0]
     line = top.line
     if (is_library(top) and not _torch_op(top)) or not line:
