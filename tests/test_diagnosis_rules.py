@@ -141,13 +141,15 @@ def test_a_rank_gone_while_its_peer_waits_in_a_collective_is_named(guarded: Guar
 
 STILL_STARTING = """
 import multiprocessing as mp
+import os
 import threading
 
 import torch
 
-if mp.parent_process() is not None:
+if os.environ.get("STILL_STARTING_CHILD"):
     # in the spawned child, importing this module never ends (as an import that waits on a
-    # lock or a network filesystem): it is importing at the deadline on any machine
+    # lock or a network filesystem): it is importing at the deadline on any machine. (Not
+    # mp.parent_process(): a spawned child sets it only after it has imported its target.)
     threading.Event().wait()
 
 
@@ -156,6 +158,7 @@ def work():
 
 
 def test_deadline_shorter_than_a_spawned_childs_start():
+    os.environ["STILL_STARTING_CHILD"] = "1"  # this module is imported here already
     child = mp.get_context("spawn").Process(target=work)
     child.start()  # the child imports this module, hence torch, before it runs anything
     child.join()
