@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..report.model import SPAWNED, ProcessReport, Role
+from ..report.model import SPAWNED, TORCHRUN, ProcessReport, Role
 from .frames import (
     all_frames,
     enclosing_class,
@@ -23,7 +23,6 @@ POOL_WORKER = Role("Pool worker")
 MANAGER_SERVER = Role("Manager server")
 EXITED = Role("exited child")  # a zombie: no stack, no environment, no command line
 TORCHRUN_AGENT = Role("torchrun agent")  # torch.distributed.run's elastic agent
-TORCHRUN = "torchrun"  # how a rank started, when its parent is a torchrun agent
 
 _THREAD_ROLES: list[tuple[str, tuple[str, ...], str]] = [
     ("torch/utils/data/_utils/pin_memory.py", ("_pin_memory_loop",), "pin-memory thread"),

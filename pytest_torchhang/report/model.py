@@ -94,6 +94,7 @@ class Collective:
 
 #: The parenthesis of a rank started by ``torch.multiprocessing.spawn`` (not a backend).
 SPAWNED = "torch.multiprocessing.spawn"
+TORCHRUN = "torchrun"
 _WORKER, _RANK, _PROCESS = "DataLoader worker", "rank", "multiprocessing.Process"
 #: Forms of a role's text, as :meth:`Role.text` writes them (read back by :meth:`Role.parse`).
 _WORKER_TEXT = re.compile(r"^DataLoader worker (\d+)/(\d+)(?: \(dataset (.+)\))?$")
@@ -180,7 +181,7 @@ class Role:
         if match := _RANK_TEXT.match(text):
             rank, world, said = match.groups()
             number = None if world == "?" else int(world)
-            if said == SPAWNED:
+            if said in (SPAWNED, TORCHRUN):  # a launcher, not a backend
                 return cls(_RANK, rank=int(rank), world=number, detail=said)
             return cls(_RANK, rank=int(rank), world=number, backend=said)
         if match := _PROCESS_TEXT.match(text):
