@@ -84,6 +84,18 @@ LABELS: dict[str, Label] = {
     "test_loading_openmp_in_a_library_op_after_worker_init_raises_threads": _label(
         "openmp_after_fork", "OpenMP after fork", "worker_init_fn", role="DataLoader worker 0/1"
     ),
+    "test_loading_worker_opens_a_fifo_nobody_writes": _label(
+        "fifo",
+        "blocked opening the FIFO",
+        "nobody in the tree will ever open",
+        role="DataLoader worker",
+    ),
+    "test_loading_batch_that_cannot_be_pickled": _label(
+        "unpicklable_batch",
+        "could not pickle the batch",
+        "cannot pickle '_thread.lock'",
+        role="DataLoader worker",
+    ),
     # slow but passing, in the end: no rule may claim a cause
     "test_loading_slow_rate_limited_worker": _no_cause(),
     # data sharing and resources between processes
@@ -165,6 +177,10 @@ LABELS: dict[str, Label] = {
     ),
     "test_distributed_both_ranks_receive": _label(
         "collectives", "wait in recv and none sends", role="rank"
+    ),
+    # a send/recv pair is not a collective: its hint names each side's peer and tag
+    "test_distributed_send_and_recv_never_match": _label(
+        "collectives", "send and recv do not match", "dst=1, tag=1", "src=0, tag=2", role="rank"
     ),
     # the dead rank is a zombie until its parent joins it, if nothing reaps it first: then
     # only the rendezvous that waits for it remains to tell

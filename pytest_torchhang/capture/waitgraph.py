@@ -263,6 +263,9 @@ class _Reader:
             self._file_lock(pid, task, args[0])
         elif call in ("wait4", "waitid"):
             self._wait_child(pid, task, args)
+        elif call in ("open", "openat"):
+            # open(path, flags) or openat(dirfd, path, flags): only a FIFO's open blocks
+            self._fifo_open(pid, task, *(args[0:2] if call == "open" else args[1:3]))
         elif call in _SLEEPS:
             task.obj = "sleeping (a timed wait or a retry loop)"
 
@@ -329,6 +332,39 @@ class _Reader:
         if peer is not None:
             return "unix socket", peer, ""
         return None
+
+    def _fifo_open(self, pid: int, task: TaskWait, addr: int, flags: int) -> None:
+        """An open that blocks: a FIFO waiting for a process to open its other end. The object
+        says which end it opens and who holds the FIFO already (``FIFO /p, opening it for
+        reading; open for reading in pid 12``); no edge: nobody in the tree is its releaser."""
+        path = self._c_string(pid, addr)
+        if not path:
+            return
+        if not path.startswith("/"):  # relative to the working directory (AT_FDCWD)
+            path = os.path.join(os.readlink(f"/proc/{pid}/cwd"), path)
+        if not S_ISFIFO(os.stat(path).st_mode):
+            return
+        reading = flags & 3 == os.O_RDONLY
+        task.obj = f"FIFO {path}, opening it for {'reading' if reading else 'writing'}"
+        held = []
+        for holder, hfd in self.holders(os.path.realpath(path)):
+            end = self.writable(holder, hfd)
+            held.append(f"pid {holder} ({'?' if end is None else 'write' if end else 'read'})")
+        task.obj += (
+            f"; open in {', '.join(held)}" if held else "; no process of the tree has it open"
+        )
+
+    def _c_string(self, pid: int, addr: int) -> str:
+        """A NUL-terminated string of ``pid``'s memory (a path), read a page at a time (a read
+        across an unmapped page stops there); empty when unreadable."""
+        data = b""
+        while addr and len(data) < 4096:
+            chunk = self._mem(pid, addr + len(data), 4096 - (addr + len(data)) % 4096)
+            data += chunk
+            if not chunk or b"\0" in chunk:
+                break
+        end = data.find(b"\0")
+        return data[:end].decode(errors="replace") if end > 0 else ""
 
     def _mem(self, pid: int, addr: int, size: int) -> bytes:
         return self.proc.mem(pid, addr, size) or b""  # not read: the reader notes why

@@ -9,8 +9,13 @@ from collections.abc import Callable
 from ..report.model import Hint, ProcessReport
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
 from .rules.distributed import hint_collectives, hint_rank_gone
-from .rules.loading import hint_cuda_before_fork, hint_openmp_after_fork, hint_worker_lock
-from .rules.sharing import hint_manager, hint_pipe, hint_pool_lost, hint_queue_join
+from .rules.loading import (
+    hint_cuda_before_fork,
+    hint_openmp_after_fork,
+    hint_unpicklable_batch,
+    hint_worker_lock,
+)
+from .rules.sharing import hint_fifo, hint_manager, hint_pipe, hint_pool_lost, hint_queue_join
 from .rules.starting import hint_still_starting
 from .rules.waits import (
     hint_busy,
@@ -51,10 +56,12 @@ RULES: tuple[Rule, ...] = (
     hint_dead,
     hint_collectives,
     hint_rank_gone,
+    hint_unpicklable_batch,
     hint_worker_lock,
     hint_queue_join,
     hint_manager,
     hint_pool_lost,
+    hint_fifo,
     hint_pipe,
     hint_openmp_after_fork,
     hint_cuda_before_fork,

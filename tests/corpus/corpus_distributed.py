@@ -170,3 +170,16 @@ def _computes(rank, store):
 
 def test_distributed_slow_rank_computes(tmp_path):
     tmp.start_processes(_computes, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")
+
+
+def _unmatched(rank, store):
+    _join(rank, store)
+    tensor = torch.zeros(4)
+    if rank == 0:
+        dist.send(tensor, dst=1, tag=1)
+    else:
+        dist.recv(tensor, src=0, tag=2)  # another tag: the pair never matches
+
+
+def test_distributed_send_and_recv_never_match(tmp_path):
+    tmp.start_processes(_unmatched, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")

@@ -241,3 +241,36 @@ class RateLimited(Dataset):
 def test_loading_slow_rate_limited_worker():
     for _ in _loader(RateLimited(), num_workers=1):  # passes, after 25 s
         pass
+
+
+class ReadsAFifo(Dataset):
+    def __init__(self, path):
+        self.path = path
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        with open(self.path) as fifo:  # opening a FIFO for reading waits for a writer
+            return torch.tensor([len(fifo.read())])
+
+
+def test_loading_worker_opens_a_fifo_nobody_writes(tmp_path):
+    path = tmp_path / "samples.fifo"
+    os.mkfifo(path)  # meant for a producer process that was never started
+    for _ in _loader(ReadsAFifo(str(path)), num_workers=1):
+        pass
+
+
+class LockedSamples(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return {"index": index, "lock": threading.Lock()}  # a lock cannot be pickled
+
+
+def test_loading_batch_that_cannot_be_pickled():
+    # batch_size=None: no collation, the sample goes to the queue as it is
+    for _ in _loader(LockedSamples(), batch_size=None, num_workers=1):
+        pass

@@ -1,6 +1,8 @@
-"""Rules for ranks of torch.distributed: different collectives, a rank missing, a rank gone."""
+"""Rules for ranks of torch.distributed: collectives or send/recv that do not match, ranks gone."""
 
 from __future__ import annotations
+
+import re
 
 from ...report.model import Hint, ProcessReport
 from ..frames import (
@@ -9,7 +11,9 @@ from ..frames import (
     frame_collective,
     has_frame,
     in_backward,
+    in_file,
     last_completed,
+    main_thread,
     pending_collective,
 )
 from ..graph import doing, main_task
@@ -82,6 +86,8 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
             "the ranks launched, a rank that crashed before init, or another store/MASTER_ADDR/"
             "port). Start exactly world_size ranks on one rendezvous."
         )
+    elif _p2p_pair(waiting):
+        text = _unmatched_p2p(ranks, waiting)
     elif len(set(waiting.values())) > 1:
         pairs = ", ".join(f"rank {r} in {_collective_words(c)}" for r, c in sorted(waiting.items()))
         text = (
@@ -102,6 +108,75 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
     else:
         return []
     return [Hint(text, based, rule="collectives", pids=pids)]
+
+
+#: Point-to-point calls: they pair a sender with one receiver, unlike collectives.
+_SENDS = frozenset(["send", "isend"])
+_RECVS = frozenset(["recv", "irecv"])
+
+
+def _p2p_pair(waiting: dict[str, str]) -> bool:
+    """Every waiting rank is in a send or a recv, and both kinds are there."""
+    calls = set(waiting.values())
+    return (
+        bool(calls) and calls <= _SENDS | _RECVS and bool(calls & _SENDS) and bool(calls & _RECVS)
+    )
+
+
+_KEYWORD = re.compile(r"\b(dst|src|tag|group_dst|group_src)\s*=\s*([^,()]+|\w+\([^()]*\))")
+
+
+def p2p_arguments(proc: ProcessReport, call: str) -> str:
+    """``dst=1, tag=1``: the peer and tag arguments of the user's ``send``/``recv`` call, read
+    from the source line that calls it (gloo's flight recorder keeps no point-to-point entries;
+    the frames' locals are not captured). Empty where the line names none."""
+    main = main_thread(proc)
+    frames = main.frames if main else []
+    inner = next(
+        (
+            k
+            for k, f in enumerate(frames)
+            if in_file(f, "torch/distributed/distributed_c10d.py", call)
+        ),
+        None,
+    )
+    if inner is None:
+        return ""
+    caller = next(
+        (
+            f
+            for f in frames[inner + 1 :]
+            if "torch/distributed/" not in f.filename.replace("\\", "/")
+        ),
+        None,
+    )
+    if caller is None or f"{call}(" not in caller.line:
+        return ""
+    args = caller.line.split(f"{call}(", 1)[1]
+    found = {key: value.strip() for key, value in _KEYWORD.findall(args)}
+    if not any(key in found for key in ("dst", "src", "group_dst", "group_src")):
+        positional = [a.strip() for a in args.split(")", 1)[0].split(",")]
+        if len(positional) > 1 and "=" not in positional[1]:  # send(tensor, dst), recv(tensor, src)
+            found = {("dst" if call in _SENDS else "src"): positional[1], **found}
+    return ", ".join(f"{key}={value}" for key, value in found.items())
+
+
+def _unmatched_p2p(ranks: list[ProcessReport], waiting: dict[str, str]) -> str:
+    """Ranks in send and in recv that do not pair up."""
+    sides = []
+    for proc in ranks:
+        call = waiting.get(rank_no(proc))
+        if call is None:
+            continue
+        args = p2p_arguments(proc, call)
+        sides.append(f"rank {rank_no(proc)} in {call}" + (f" ({args})" if args else ""))
+    return (
+        f"the point-to-point send and recv do not match ({', '.join(sides)}): a send completes "
+        "only once its dst rank posts a recv from that src with the same tag (and a tensor of "
+        "the same size), so each waits for a partner that never comes. These are not collectives: "
+        "check each pair's dst/src ranks, tags and tensor sizes, and that a rank-dependent "
+        "branch did not skip or reorder one side."
+    )
 
 
 def _missing_rank(

@@ -1,4 +1,4 @@
-"""Rules for forked workers: a lock held at fork, OpenMP or CUDA after fork, a lock taken twice."""
+"""Rules for forked workers: a lock at fork or taken twice, OpenMP or CUDA after fork, a bad batch."""
 
 from __future__ import annotations
 
@@ -240,3 +240,63 @@ def hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
             )
         )
     return hints
+
+
+#: What a queue feeder thread prints when it cannot pickle what was put on its queue.
+_PICKLE_ERROR = re.compile(
+    r"^(TypeError: cannot pickle |TypeError: can't pickle |(_pickle\.|pickle\.)?PicklingError|"
+    r"AttributeError: Can't pickle |AttributeError: Can't get local object)"
+)
+
+
+def _pickle_failure(proc: ProcessReport) -> str:
+    """The last pickling error a queue feeder thread of ``proc`` printed on its stderr, or
+    nothing (a traceback through multiprocessing's ``_feed``: the feeder dropped the object)."""
+    tail = proc.stderr_tail
+    for k in range(len(tail) - 1, -1, -1):
+        if _PICKLE_ERROR.match(tail[k]):
+            start = max((j for j in range(k) if tail[j].startswith("Traceback")), default=-1)
+            if start >= 0 and any("multiprocessing/queues.py" in line for line in tail[start:k]):
+                return tail[k]
+    return ""
+
+
+def _waits_for_batches(proc: ProcessReport) -> bool:
+    """The process waits in a DataLoader for the next batch."""
+    return has_frame(proc, "torch/utils/data/dataloader.py", "_try_get_data", "_get_data")
+
+
+def hint_unpicklable_batch(procs: list[ProcessReport]) -> list[Hint]:
+    """A DataLoader worker's feeder thread could not pickle a batch and dropped it, while the
+    main process waits for that batch."""
+    consumers = [p for p in procs if _waits_for_batches(p) and not p.exit_status]
+    hits = [(p, error) for p in procs if is_worker(p) and (error := _pickle_failure(p))]
+    if not consumers or not hits:
+        return []
+    # the worker made the batch and went back to its index queue: it is not busy elsewhere
+    idle = [
+        p
+        for p, _ in hits
+        if has_frame(p, "torch/utils/data/_utils/worker.py", "_worker_loop") and not p.busy
+    ]
+    if not idle:
+        return []
+    errors = sorted({error for _, error in hits})
+    return [
+        Hint(
+            f"the DataLoader worker could not pickle the batch it made ({'; '.join(errors)}): "
+            "its queue feeder thread printed the error on the worker's stderr and dropped the "
+            "batch, so the main process waits for a batch that never comes. A sample holds "
+            "something that cannot cross processes (an open file, a lock or a generator): return "
+            "tensors, numbers or plain containers from __getitem__, or drop the rest in a "
+            "collate_fn.",
+            [f"{p.role} (pid {p.pid}) stderr: {error}" for p, error in hits]
+            + [
+                f"{p.role} (pid {p.pid}) is idle in _worker_loop, waiting on its index queue"
+                for p in idle
+            ]
+            + [blocked_line(p) for p in consumers],
+            rule="unpicklable_batch",
+            pids=sorted({p.pid for p in consumers} | {p.pid for p in idle}),
+        )
+    ]

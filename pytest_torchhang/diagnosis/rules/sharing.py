@@ -1,10 +1,21 @@
-"""Rules for what processes share: a Queue flushed at exit, a Manager, a Pool, a pipe."""
+"""Rules for what processes share: a Queue flushed at exit, a Manager, a Pool, a pipe, a FIFO."""
 
 from __future__ import annotations
 
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ..frames import has_frame, in_file, innermost, located, main_thread, primitive
-from ..graph import chain, cycle_text, doing, main_task, task_thread, who
+from ..graph import (
+    blocked_line,
+    chain,
+    cycle_text,
+    doing,
+    edge_lines,
+    edges_to,
+    main_task,
+    task_thread,
+    waiters_text,
+    who,
+)
 from ..roles import MANAGER_SERVER, POOL_WORKER, is_helper, is_pytest, is_rank, role_of
 
 
@@ -209,3 +220,45 @@ def hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
             pids=pids,
         )
     ]
+
+
+def _fifo_open(task: TaskWait) -> tuple[str, str, str] | None:
+    """(path, the end it opens, who holds it) of a thread blocked opening a FIFO, as the capture
+    wrote it in the object (``FIFO /p, opening it for reading; no process of the tree has it
+    open``); None for any other wait."""
+    if task.call not in ("open", "openat") or not task.obj.startswith("FIFO "):
+        return None
+    head, _, held = task.obj.partition("; ")
+    path, _, end = head[len("FIFO ") :].rpartition(", opening it for ")
+    return (path, end, held) if path and end in ("reading", "writing") else None
+
+
+def hint_fifo(procs: list[ProcessReport]) -> list[Hint]:
+    """A process blocked opening a FIFO whose other end no process of the tree opens."""
+    out = []
+    for proc in procs:
+        task = main_task(proc)
+        found = _fifo_open(task) if task is not None and not proc.exit_status else None
+        if task is None or found is None:
+            continue
+        path, end, held = found
+        other = "writing" if end == "reading" else "reading"
+        # opening one end blocks only while nobody has the other end open: whoever holds the
+        # FIFO holds this end, and no thread of the tree is blocked opening the other one
+        held = held.replace("open in", "it is open only in") if held.startswith("open in") else held
+        _, frame = primitive(task_thread(proc, task) or main_thread(proc))
+        waiters = edges_to(procs, proc.pid)
+        out.append(
+            Hint(
+                f"{who(proc)} is blocked opening the FIFO {path} for {end}{located(frame)}: "
+                f"opening a FIFO waits until another process opens it for {other}, and {held}, "
+                f"nor is any blocked opening it: nobody in the tree will ever open its other end."
+                + (f" Meanwhile {waiters_text(waiters)}." if waiters else "")
+                + f" Start the process that opens it for {other} first, open it with O_RDWR or "
+                "O_NONBLOCK, or use a regular file or an os.pipe() the test creates.",
+                [blocked_line(proc), *edge_lines(waiters, proc)],
+                rule="fifo",
+                pids=sorted({proc.pid, *(p.pid for p, _ in waiters)}),
+            )
+        )
+    return out
