@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from test_diagnosis_corpus import LABELS, Label, _label, _score
 
 from .conftest import RECORDED, Replay, diagnosis_digest, recorded_ids
+
+if TYPE_CHECKING:
+    from pytest_torchhang.report.model import Hint
 
 #: Recordings from outside the corpus, with what they must be told.
 OTHER_LABELS: dict[str, Label] = {
@@ -61,6 +65,8 @@ def test_the_recordings_cover_every_rule_family() -> None:
         "dead",
         "outside",
         "collectives",
+        "fifo",
+        "unpicklable_batch",
     }
     assert len(RECORDED) >= 15
 
@@ -118,3 +124,39 @@ def test_the_recordings_are_the_plugins_own_documents() -> None:
         doc = json.loads(path.read_text())
         assert doc["schema"] == "pytest-torchhang/hang-report", path.name
         assert doc["test_id"].split("::")[-1] == path.stem
+
+
+def _recorded_hints(name: str, replay: Replay) -> list[Hint]:
+    (path,) = [p for p in RECORDED if p.stem == name]
+    return replay.hints(replay.load(path))
+
+
+def test_a_send_and_recv_that_never_match_are_not_told_to_call_the_same_collectives(
+    replay: Replay,
+) -> None:
+    (hint,) = _recorded_hints("test_distributed_send_and_recv_never_match", replay)
+    assert "do not match" in hint.text and "same collectives" not in hint.text
+    # each side's peer and tag, read from the line that calls send / recv
+    assert "rank 0/2 in send (dst=1, tag=1)" in hint.text
+    assert "rank 1/2 in recv (src=0, tag=2)" in hint.text
+
+
+def test_a_worker_opening_a_fifo_gets_its_path_and_nobody_opening_the_other_end(
+    replay: Replay,
+) -> None:
+    (hint,) = _recorded_hints("test_loading_worker_opens_a_fifo_nobody_writes", replay)
+    assert hint.rule == "fifo"
+    assert "samples.fifo for reading" in hint.text
+    assert "no process of the tree has it open" in hint.text
+
+
+def test_a_batch_that_cannot_be_pickled_cites_the_workers_stderr_as_evidence(
+    replay: Replay,
+) -> None:
+    (hint,) = _recorded_hints("test_loading_batch_that_cannot_be_pickled", replay)
+    assert hint.rule == "unpicklable_batch"
+    assert "could not pickle the batch" in hint.text
+    assert any(
+        line.endswith("stderr: TypeError: cannot pickle '_thread.lock' object")
+        for line in hint.based_on
+    ), hint.based_on
