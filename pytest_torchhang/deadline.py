@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, replace
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 #: While a fired test has not taken its HangError: interrupt it again this often ...
 INTERRUPT_EVERY_S = 1.0
@@ -81,8 +80,7 @@ class Kind(enum.Enum):
     STALL = "stall"
 
 
-@dataclass(frozen=True)
-class Limit:
+class Limit(NamedTuple):
     """A wall-clock limit: ``seconds`` long, due at ``due``."""
 
     source: Source
@@ -90,8 +88,7 @@ class Limit:
     due: float
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
     """A fixture call in flight: it handles its own ``due`` itself."""
 
     due: float
@@ -101,90 +98,76 @@ class Call:
 # --- events ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Tick:
+class Tick(NamedTuple):
     """The shell woke up (at the time it was told, or earlier): is anything due?"""
 
 
-@dataclass(frozen=True)
-class SetLimit:
+class SetLimit(NamedTuple):
     """A wall-clock limit ``seconds`` from now; replaces an earlier one of the same source."""
 
     source: Source
     seconds: float
 
 
-@dataclass(frozen=True)
-class ClearLimit:
+class ClearLimit(NamedTuple):
     """Lift the limit of ``source`` (pytest-timeout's func_only timer, after the call)."""
 
     source: Source
 
 
-@dataclass(frozen=True)
-class Progress:
+class Progress(NamedTuple):
     """The tree made progress at ``at`` (the last beat on the board)."""
 
     at: float
 
 
-@dataclass(frozen=True)
-class Pause:
+class Pause(NamedTuple):
     """Stop every clock (a debugger, the zygote importing torch); pauses nest."""
 
 
-@dataclass(frozen=True)
-class Resume:
+class Resume(NamedTuple):
     """Undo one Pause; when none is left, the clocks go on where they stopped."""
 
 
-@dataclass(frozen=True)
-class PhaseStarted:
+class PhaseStarted(NamedTuple):
     """The test's own code (setup, call or teardown) runs: an interrupt may land in it."""
 
     name: str
 
 
-@dataclass(frozen=True)
-class PhaseEnded:
+class PhaseEnded(NamedTuple):
     """pytest's own code runs: no interrupt may land."""
 
 
-@dataclass(frozen=True)
-class CallStarted:
+class CallStarted(NamedTuple):
     """A fixture call ``call`` waits for its children, ``seconds`` at most."""
 
     call: int
     seconds: float
 
 
-@dataclass(frozen=True)
-class CallCapturing:
+class CallCapturing(NamedTuple):
     """The fixture call's own deadline passed: it captures and kills its children."""
 
     call: int
 
 
-@dataclass(frozen=True)
-class CallEnded:
+class CallEnded(NamedTuple):
     """The fixture call is over; ``hung``: it raises its HangError in the test."""
 
     call: int
     hung: bool = False
 
 
-@dataclass(frozen=True)
-class CaptureDone:
+class CaptureDone(NamedTuple):
     """The fire's capture and kill are over: from now on the test is interrupted."""
 
 
-@dataclass(frozen=True)
-class Delivered:
+class Delivered(NamedTuple):
     """The test has its HangError (raised, or attached to a pytest report)."""
 
 
-@dataclass(frozen=True)
-class Disarm:
+class Disarm(NamedTuple):
     """The test is over (or a debugger took over for good): nothing fires any more."""
 
 
@@ -209,8 +192,7 @@ Event: TypeAlias = (
 # --- state and decision ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """What to do now (``action``, with the ``kind`` and ``source`` of a fire) and when to look
     again (``wake``; always later than now when there is no action)."""
 
@@ -220,8 +202,7 @@ class Decision:
     source: Source | None = None
 
 
-@dataclass(frozen=True)
-class State:
+class State(NamedTuple):
     """One test's deadline: every source, and where the test stands."""
 
     started: float
@@ -241,7 +222,7 @@ class State:
     interrupts: int = 0
     kills: int = 0
     next_interrupt: float = INF
-    history: tuple[str, ...] = field(default=(), compare=False)  # transitions, for messages
+    history: tuple[str, ...] = ()  # transitions, for messages
 
     @property
     def timeout_s(self) -> float:
@@ -262,7 +243,7 @@ def start(
         Limit(source, seconds, now + seconds) for source, seconds in limits.items() if seconds > 0
     )
     state = State(started=now, limits=chosen, stall_s=max(stall_s, 0.0), progress_at=now)
-    return replace(state, grace_s=state.timeout_s if grace_s is None else grace_s)
+    return state._replace(grace_s=state.timeout_s if grace_s is None else grace_s)
 
 
 def _due(state: State) -> tuple[float, Kind, Source] | None:
@@ -288,8 +269,7 @@ def _note(state: State, now: float, text: str) -> tuple[str, ...]:
 
 
 def _fire(state: State, now: float, kind: Kind, source: Source) -> tuple[State, Decision]:
-    fired = replace(
-        state,
+    fired = state._replace(
         phase=Phase.FIRING,
         fire_kind=kind,
         fire_source=source,
@@ -307,9 +287,9 @@ def _tick(state: State, now: float) -> tuple[State, Decision]:
         if now < state.next_interrupt:
             return state, Decision(None, state.next_interrupt)
         interrupts = state.interrupts + 1
-        state = replace(state, interrupts=interrupts, next_interrupt=now + INTERRUPT_EVERY_S)
+        state = state._replace(interrupts=interrupts, next_interrupt=now + INTERRUPT_EVERY_S)
         if interrupts % REKILL_EVERY == 0 and state.kills < MAX_KILLS:
-            state = replace(state, kills=state.kills + 1)
+            state = state._replace(kills=state.kills + 1)
             return state, Decision(Action.REKILL, state.next_interrupt)
         action = Action.INTERRUPT if state.running else None
         return state, Decision(action, state.next_interrupt)
@@ -347,41 +327,41 @@ def _apply(state: State, event: Event, now: float) -> State:
             return state
         kept = tuple(limit for limit in state.limits if limit.source is not event.source)
         limit = Limit(event.source, event.seconds, now + event.seconds)
-        state = replace(state, limits=(*kept, limit))
+        state = state._replace(limits=(*kept, limit))
         if state.grace_s <= 0 or event.seconds < state.grace_s:
-            state = replace(state, grace_s=event.seconds)
+            state = state._replace(grace_s=event.seconds)
         return state
     if isinstance(event, ClearLimit):
         if not armed:
             return state
-        return replace(state, limits=tuple(x for x in state.limits if x.source is not event.source))
+        return state._replace(limits=tuple(x for x in state.limits if x.source is not event.source))
     if isinstance(event, Progress):
-        return replace(state, progress_at=max(state.progress_at, event.at))
+        return state._replace(progress_at=max(state.progress_at, event.at))
     if isinstance(event, Pause):
         if state.paused:
-            return replace(state, paused=state.paused + 1)
-        return replace(state, paused=1, paused_at=now)
+            return state._replace(paused=state.paused + 1)
+        return state._replace(paused=1, paused_at=now)
     if isinstance(event, Resume):
         if state.paused == 0:
             return state
         if state.paused > 1:
-            return replace(state, paused=state.paused - 1)
+            return state._replace(paused=state.paused - 1)
         return _resumed(state, now)
     if isinstance(event, PhaseStarted):
-        return replace(state, running=True)
+        return state._replace(running=True)
     if isinstance(event, PhaseEnded):
-        return replace(state, running=False)
+        return state._replace(running=False)
     if isinstance(event, CallStarted):
         calls = (*state.calls, (event.call, Call(now + event.seconds)))
-        return replace(state, calls=calls)
+        return state._replace(calls=calls)
     if isinstance(event, CallCapturing):
         calls = tuple(
-            (key, replace(call, capturing_since=now) if key == event.call else call)
+            (key, call._replace(capturing_since=now) if key == event.call else call)
             for key, call in state.calls
         )
-        return replace(state, calls=calls)
+        return state._replace(calls=calls)
     if isinstance(event, CallEnded):
-        state = replace(state, calls=tuple(c for c in state.calls if c[0] != event.call))
+        state = state._replace(calls=tuple(c for c in state.calls if c[0] != event.call))
         if event.hung and armed:
             # The call raises its HangError in the test: the test has its report, and the rest
             # of it runs under the grace, exactly as after a fire of its own.
@@ -390,8 +370,7 @@ def _apply(state: State, event: Event, now: float) -> State:
     if isinstance(event, CaptureDone):
         if state.phase is not Phase.FIRING:
             return state
-        return replace(
-            state,
+        return state._replace(
             phase=Phase.FIRED,
             interrupts=0,
             kills=state.kills + 1,
@@ -403,18 +382,17 @@ def _apply(state: State, event: Event, now: float) -> State:
             return state
         return _delivered(state, now, "delivered")
     if isinstance(event, Disarm):
-        return replace(state, phase=Phase.DISARMED, history=_note(state, now, "disarmed"))
+        return state._replace(phase=Phase.DISARMED, history=_note(state, now, "disarmed"))
     raise TypeError(f"not a deadline event: {event!r}")
 
 
 def _resumed(state: State, now: float) -> State:
     """Every clock moves on by the time it stood still; the stall clock starts again."""
     stood = max(now - state.paused_at, 0.0)
-    limits = tuple(replace(limit, due=limit.due + stood) for limit in state.limits)
-    calls = tuple((key, replace(call, due=call.due + stood)) for key, call in state.calls)
+    limits = tuple(limit._replace(due=limit.due + stood) for limit in state.limits)
+    calls = tuple((key, call._replace(due=call.due + stood)) for key, call in state.calls)
     grace_due = state.grace_due + stood if state.grace_due < INF else INF
-    return replace(
-        state,
+    return state._replace(
         paused=0,
         paused_at=INF,
         limits=limits,
@@ -425,8 +403,7 @@ def _resumed(state: State, now: float) -> State:
 
 
 def _delivered(state: State, now: float, why: str) -> State:
-    return replace(
-        state,
+    return state._replace(
         phase=Phase.DELIVERED,
         grace_due=now + state.grace_s,
         history=_note(state, now, why),

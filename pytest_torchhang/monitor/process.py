@@ -40,6 +40,11 @@ def _take_over(
     fired: bool,
     spare_root: bool,
 ) -> None:
+    import site
+
+    # The session's end must not cut the last-resort report short (stop() kills after a grace)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    site.main()  # started with -S (a fast start): the capture needs site-packages (psutil)
     from ..capture.pipeline import CaptureTarget, capture, kill
     from ..capture.procfs import call_with_timeout
     from ..report.model import HangReport, Hint
