@@ -243,9 +243,11 @@ def _scenarios() -> dict[str, str]:
 
 
 #: Each scenario's deadline, by corpus file: data loading and sharing are stuck within a few
-#: tenths of a second (forks of a parent that imported torch, Python children without torch);
+#: tenths of a second on an idle machine (forks of a parent that imported torch, Python children
+#: without torch), but beside the rest of the suite a worker forked at 2 s could still be
+#: starting (seen: a worker using CPU at the capture, told "busy"): 3 s leaves the margin;
 #: gloo ranks first meet through their store and build DDP models.
-DEADLINE_S = {"loading": 2.0, "sharing": 2.0, "distributed": 3.0}
+DEADLINE_S = {"loading": 3.0, "sharing": 3.0, "distributed": 3.0}
 
 #: Scenarios run per inner session: each hangs until its deadline, so a chunk takes about
 #: half a minute and pytest-xdist spreads the chunks over its workers, while each session's
