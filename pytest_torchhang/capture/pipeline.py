@@ -16,7 +16,7 @@ import psutil
 
 from ..diagnosis import engine
 from ..inject.hook import STDERR_KEEP_BYTES, notes_path, role_path, stderr_path
-from ..report.model import HangReport, ProcessReport, StderrTail, ThreadStack
+from ..report.model import HangReport, ProcessReport, Role, StderrTail, ThreadStack
 from . import attach, collectives, procfs, waitgraph
 from .kill import KillResult, cleanup_shm, kill_tree
 from .native import native_stacks, tool_available
@@ -453,6 +453,7 @@ def _context_facts(
     for proc in context:
         fact = _facts(proc, now, Dump(CONTEXT_STATUS), _cpu(proc), reader)
         fact.role = f"{CONTEXT_ROLE}{f' ({fact.role})' if fact.role else ''}"
+        fact.role_facts = Role.parse(fact.role)  # data too, like every role
         out.append(fact)
     return out
 

@@ -373,8 +373,10 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
     ]
     fields["collectives"] = [Collective(**c) for c in doc.get("collectives", [])]
     facts = doc.get("role_facts")
-    # a document written before roles were data: its role is read from the text it has
-    fields["role_facts"] = Role(**facts) if facts else Role.parse(doc.get("role", ""))
+    if facts:
+        fields["role_facts"] = Role(**facts)
+    elif "role_facts" not in doc:  # written before roles were data: read from its text
+        fields["role_facts"] = Role.parse(doc.get("role", ""))
     return ProcessReport(**fields)
 
 

@@ -65,6 +65,8 @@ def test_the_recordings_cover_every_rule_family() -> None:
         "dead",
         "outside",
         "collectives",
+        "fifo",
+        "unpicklable_batch",
     }
     assert len(RECORDED) >= 15
 
