@@ -47,7 +47,7 @@ print("never", flush=True)
 def _tree(n: int, dump_dir: str, lock: str) -> list[subprocess.Popen[bytes]]:
     env = dict(os.environ)
     env[DUMP_DIR_ENV] = dump_dir
-    inject = str(ROOT / "pytest_torchhang" / "_inject")
+    inject = str(ROOT / "pytest_torchhang" / "inject" / "site")
     env["PYTHONPATH"] = os.pathsep.join([inject, str(ROOT), env.get("PYTHONPATH", "")])
     return [
         subprocess.Popen(

@@ -308,7 +308,8 @@ def guarded(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Itera
     # test left in this process's environment (the dump hook's variables).
     monkeypatch.delenv("PYTEST_TORCH_HANG_DUMP_DIR", raising=False)
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    kept = [p for p in paths if p and not p.endswith(os.path.join("pytest_torchhang", "_inject"))]
+    site = os.path.join("pytest_torchhang", "inject", "site")
+    kept = [p for p in paths if p and not p.endswith(site)]
     if kept != [p for p in paths if p]:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(kept))
     yield GuardedRunner(pytester, monkeypatch)

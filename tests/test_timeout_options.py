@@ -173,7 +173,7 @@ import psutil
 def test_the_plugin_left_nothing_behind():
     assert threading.active_count() == 1
     assert "PYTEST_TORCH_HANG_DUMP_DIR" not in os.environ
-    assert "_inject" not in os.environ.get("PYTHONPATH", "")
+    assert os.path.join("pytest_torchhang", "inject") not in os.environ.get("PYTHONPATH", "")
     assert psutil.Process().children() == []
 """
 
