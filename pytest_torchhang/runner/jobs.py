@@ -107,6 +107,13 @@ def rank_main(
         world_size=world_size,
         timeout=timedelta(seconds=pg_timeout_s),
     )
+    # Every rank's init must have returned before any runs ``fn``: a rank whose ``fn`` is quick
+    # would otherwise leave the group while a slower peer is still connecting its side of the
+    # mesh (gloo: "connectFullMesh failed ... Connection closed by peer"), seen on a busy machine.
+    store.set(f"torchhang/joined/{rank}", "1")
+    store.wait(
+        [f"torchhang/joined/{r}" for r in range(world_size)], timedelta(seconds=init_timeout_s)
+    )
     hook.start_collectives_listener(since_ns)  # no-op where the import hook started it
     result = fn(rank, world_size, *args, **kwargs)
     dist.destroy_process_group()
