@@ -322,23 +322,30 @@ def _dump_notes(dumps: dict[int, Dump]) -> list[str]:
     ]
 
 
-def child_notes(dump_dir: str | None, processes: list[ProcessReport], since: float) -> list[str]:
-    """What the plugin's own code failed to do in any process of the tree (``_hook.child_note``),
-    since ``since`` (wall time), each line prefixed with its process; processes already gone
-    are found by their files in ``dump_dir``."""
+def _pids_with(dump_dir: str | None, ext: str) -> list[int]:
+    """Pids with a ``PID.<ext>`` file in ``dump_dir`` (processes gone since included), sorted."""
     if dump_dir is None:
         return []
     try:
         names = os.listdir(dump_dir)
     except OSError:
         return []
+    pids = []
+    for name in names:
+        stem, _, found = name.partition(".")
+        if found == ext and stem.isdigit():
+            pids.append(int(stem))
+    return sorted(pids)
+
+
+def child_notes(dump_dir: str | None, processes: list[ProcessReport], since: float) -> list[str]:
+    """What the plugin's own code failed to do in any process of the tree (``_hook.child_note``),
+    since ``since`` (wall time), each line prefixed with its process; processes already gone
+    are found by their files in ``dump_dir``."""
     roles = {p.pid: p.role for p in processes}
     out: list[str] = []
-    for name in sorted(names):
-        stem, _, ext = name.partition(".")
-        if ext != "notes" or not stem.isdigit():
-            continue
-        pid = int(stem)
+    for pid in _pids_with(dump_dir, "notes"):
+        assert dump_dir is not None
         try:
             with open(notes_path(dump_dir, pid), "rb") as notes:
                 raw = notes.read(1 << 16).decode(errors="replace")
@@ -424,21 +431,12 @@ def fill_stderr_tails(dump_dir: str | None, processes: list[ProcessReport], sinc
 def gone_stderr_tails(dump_dir: str | None, known: set[int], since: float) -> list[StderrTail]:
     """The last stderr lines of processes that wrote some since ``since`` and are gone (not in
     ``known``, no longer in /proc): a child that printed its traceback and exited."""
-    if dump_dir is None:
-        return []
-    try:
-        names = os.listdir(dump_dir)
-    except OSError:
-        return []
     found: list[tuple[float, StderrTail]] = []
-    for name in names:
-        stem, _, ext = name.partition(".")
-        if ext != "stderr" or not stem.isdigit() or int(stem) in known:
-            continue
-        pid = int(stem)
-        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+    for pid in _pids_with(dump_dir, "stderr"):
+        assert dump_dir is not None
+        if pid in known or pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
             continue  # alive, so not of this tree (a session's helper), or a reused pid
-        lines, written = read_stderr_tail(os.path.join(dump_dir, name), since)
+        lines, written = read_stderr_tail(stderr_path(dump_dir, pid), since)
         if lines:
             found.append((written, StderrTail(pid, lines)))
     found.sort(key=lambda item: -item[0])
