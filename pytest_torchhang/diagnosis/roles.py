@@ -174,13 +174,19 @@ def _from_stacks(proc: ProcessReport) -> Role:
     return Role("Python child") if proc.dump_status == "ok" else Role("child process")
 
 
+#: CPU time used during the capture from which a process counts as computing rather than waiting.
+BUSY_CPU_S = 0.02
+
+
 def is_busy(proc: ProcessReport) -> bool:
     """CPU time grew while the stacks were taken, or the process runs and mostly has been running.
 
     The second test matters on a loaded machine, where a spinning process may get little CPU in
     the short capture window.
     """
-    return proc.cpu_delta_s >= 0.02 or (proc.state == "running" and proc.cpu_s > 0.5 * proc.age_s)
+    return proc.cpu_delta_s >= BUSY_CPU_S or (
+        proc.state == "running" and proc.cpu_s > 0.5 * proc.age_s
+    )
 
 
 def role_of(proc: ProcessReport) -> Role:

@@ -205,7 +205,9 @@ class ProcessReport:
     cmdline: str
     state: str
     cpu_s: float
-    cpu_delta_s: float  # CPU time spent during the capture: > 0 means busy, not blocked
+    #: CPU time spent during the capture (> 0 means busy, not blocked); for a process asleep at
+    #: its end, during a second short look (it may have just reached its wait)
+    cpu_delta_s: float
     rss_bytes: int
     num_threads: int
     age_s: float
