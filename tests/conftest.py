@@ -261,6 +261,7 @@ class GuardedRunner:
         wait_s: float = 180,
         grace_s: float = 10,
         stdin: bytes | None = None,
+        python: str = sys.executable,
     ) -> Session:
         tag = uuid.uuid4().hex
         self.monkeypatch.setenv(TAG_ENV, tag)
@@ -269,7 +270,7 @@ class GuardedRunner:
         # as runpytest_subprocess does, plus the private /dev/shm and stdin (a debugger needs it)
         basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=self.pytester.path)
         command = shm.command(
-            sys.executable, "-mpytest", f"--basetemp={basetemp}", "-p", "no:cacheprovider"
+            python, "-mpytest", f"--basetemp={basetemp}", "-p", "no:cacheprovider"
         )
         start = time.monotonic()
         try:

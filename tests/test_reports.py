@@ -217,11 +217,12 @@ def test_without_a_native_tool_the_report_says_so_in_one_line(
     import os
     import sys
 
-    bin_dir = tmp_path_factory.mktemp("bin")  # a PATH with python but no pystack or py-spy
+    # a python with no pystack or py-spy beside it, and a PATH without them
+    bin_dir = tmp_path_factory.mktemp("bin")
     os.symlink(sys.executable, bin_dir / "python")
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     guarded.pytester.makepyfile(test_native=NATIVE)
-    session = guarded.run("--torch-hang-native", timeout=2)
+    session = guarded.run("--torch-hang-native", timeout=2, python=str(bin_dir / "python"))
     assert_hang(
         session,
         "test_child_waits_on_a_lock",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -30,8 +32,22 @@ def _command(tool: str, pid: int, all_threads: bool, native: bool) -> list[str]:
     return [tool, "dump", *(["--native"] if native else []), "--pid", str(pid)]
 
 
+def _tool() -> str | None:
+    """pystack or py-spy: the one installed beside this Python first, then one on PATH.
+
+    Beside this Python it is the real program; on PATH it may be a shim (pyenv's runs a shell and
+    ``pyenv exec`` first: half a second, and seconds on a loaded machine, out of a tight budget).
+    """
+    here = os.path.dirname(sys.executable)
+    for name in ("pystack", "py-spy"):
+        found = shutil.which(name, path=here)
+        if found:
+            return found
+    return shutil.which("pystack") or shutil.which("py-spy")
+
+
 def tool_available() -> bool:
-    return bool(shutil.which("pystack") or shutil.which("py-spy"))
+    return _tool() is not None
 
 
 def native_stacks(pids: list[int], all_threads: set[int], native: bool = True) -> NativeResult:
@@ -40,7 +56,7 @@ def native_stacks(pids: list[int], all_threads: set[int], native: bool = True) -
     With ``native=False``, only the Python stacks, read from outside: the fallback for Python
     processes that have no dump handler (started with a replaced environment, ``python -I``...).
     """
-    tool = shutil.which("pystack") or shutil.which("py-spy")
+    tool = _tool()
     if tool is None:
         return NativeResult(
             {},
