@@ -35,6 +35,30 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     return parsed
 
 
+def add_variant_option(args: argparse.ArgumentParser) -> None:
+    """``--variant NAME=PATH``: also measure another copy of the package (an older commit's)."""
+    args.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="Also measure the package found at PATH (put first on PYTHONPATH)",
+    )
+
+
+def measured_variants(
+    args: argparse.ArgumentParser, options: argparse.Namespace
+) -> list[tuple[str, str]]:
+    """The ``--variant`` values as (name, path) pairs; a value without a path is a usage error."""
+    found: list[tuple[str, str]] = []
+    for variant in options.variant:
+        name, _, path = variant.partition("=")
+        if not path:
+            args.error(f"--variant takes NAME=PATH, got {variant!r}")
+        found.append((name, path))
+    return found
+
+
 def clean_env(pythonpath: str | None = None, **extra: str) -> dict[str, str]:
     """This environment without pytest-torchhang's own settings and injected hook.
 

@@ -20,8 +20,10 @@ from pathlib import Path
 
 from _common import (
     OUT_ENV,
+    add_variant_option,
     imported_modules,
     machine,
+    measured_variants,
     median,
     parser,
     run_session,
@@ -178,22 +180,11 @@ def main() -> None:
     args = parser(__doc__)
     args.add_argument("--tests", type=int, help="Passing tests per session (default 2000)")
     args.add_argument("--repeats", type=int, help="Sessions per configuration (default 7)")
-    args.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="Also measure the package found at PATH (put first on PYTHONPATH)",
-    )
+    add_variant_option(args)
     options = args.parse_args()
     tests = options.tests or (200 if options.quick else 2000)
     repeats = options.repeats or (1 if options.quick else 7)
-    variants: list[tuple[str, str]] = []
-    for variant in options.variant:
-        name, _, path = variant.partition("=")
-        if not path:
-            args.error(f"--variant takes NAME=PATH, got {variant!r}")
-        variants.append((name, path))
+    variants = measured_variants(args, options)
     configs = configurations(options.quick, variants)
     names = list(configs)
     samples: dict[str, dict[str, list[float]]] = {

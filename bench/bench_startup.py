@@ -21,7 +21,17 @@ import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from _common import imported_modules, machine, median, parser, run_session, spread, table
+from _common import (
+    add_variant_option,
+    imported_modules,
+    machine,
+    measured_variants,
+    median,
+    parser,
+    run_session,
+    spread,
+    table,
+)
 
 TEST = textwrap.dedent(
     """
@@ -94,24 +104,13 @@ def configurations(
 def main() -> None:
     args = parser(__doc__)
     args.add_argument("--pairs", type=int, help="Paired sessions (default 11; 3 with --quick)")
-    args.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="Also measure the package found at PATH (put first on PYTHONPATH)",
-    )
+    add_variant_option(args)
     args.add_argument(
         "--all-plugins", action="store_true", help="Keep every installed pytest plugin loaded"
     )
     options = args.parse_args()
     pairs = options.pairs or (3 if options.quick else 11)
-    variants: list[tuple[str, str]] = []
-    for variant in options.variant:
-        name, _, path = variant.partition("=")
-        if not path:
-            args.error(f"--variant takes NAME=PATH, got {variant!r}")
-        variants.append((name, path))
+    variants = measured_variants(args, options)
     # -v undoes the bench's usual -q: the session a user runs, with its header
     common = ["-v", *([] if options.all_plugins else other_plugins())]
     configs = configurations(variants)
