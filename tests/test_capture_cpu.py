@@ -55,7 +55,7 @@ def test_a_process_that_reached_its_wait_during_the_capture_is_not_called_busy()
             time.sleep(0.02)
         report = _seen_busy(proc)
         assert is_busy(report)
-        pipeline._second_look([proc], [report])
+        pipeline._second_look([report])
         assert report.cpu_delta_s < 0.02 and not is_busy(report)
 
 
@@ -66,5 +66,5 @@ def test_a_spinning_process_stays_busy_after_the_second_look() -> None:
             assert time.monotonic() < deadline, "the child never ran"
             time.sleep(0.02)
         report = _seen_busy(proc)
-        pipeline._second_look([proc], [report])
+        pipeline._second_look([report])
         assert is_busy(report)

@@ -188,7 +188,7 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
         )
         for p in procs
     ]
-    _second_look(procs, reports)
+    _second_look(reports)
     env = {p.pid: _environ(reader, p.pid) for p in procs if p.pid != target.root_pid}
     notes = _add_waits(target, reports, seen.evidence, t0)
     _label(target, reports, env)
@@ -218,38 +218,33 @@ SECOND_LOOK_BELOW_S = 0.2
 SECOND_LOOK_S = 0.1
 
 
-def _second_look(procs: list[psutil.Process], reports: list[ProcessReport]) -> None:
+def _second_look(reports: list[ProcessReport]) -> None:
     """A second, short CPU sample of the processes that used a little CPU and then went to sleep.
 
     A process that had just reached its wait when the deadline fell (a DataLoader worker still
     starting on a loaded machine) used CPU during the capture, yet waits: it is busy only if it
     still uses CPU. A spinning process, or a retry loop, does; one that blocks for good does not.
     """
-    by_pid = {p.pid: p for p in procs}
-    suspects = [
-        r
+    first = {
+        r.pid: stat
         for r in reports
         if r.pid != os.getpid()
         and BUSY_CPU_S <= r.cpu_delta_s < SECOND_LOOK_BELOW_S
-        and _sleeping(by_pid[r.pid])
-    ]
-    if not suspects:
+        and (stat := procfs.stat(r.pid)) is not None
+        and stat.state in _ASLEEP
+    }
+    if not first:
         return
-    before = {r.pid: _cpu(by_pid[r.pid]) for r in suspects}
     time.sleep(SECOND_LOOK_S)
-    for report in suspects:
-        proc = by_pid[report.pid]
-        cpu = _cpu(proc)
-        if cpu and before[report.pid] and _sleeping(proc):
-            report.cpu_s = cpu
-            report.cpu_delta_s = max(cpu - before[report.pid], 0.0)
+    for report in reports:
+        before = first.get(report.pid)
+        now = procfs.stat(report.pid) if before else None
+        if before and now and now.start_ticks == before.start_ticks and now.state in _ASLEEP:
+            report.cpu_s = now.cpu_ticks / procfs.TICKS
+            report.cpu_delta_s = (now.cpu_ticks - before.cpu_ticks) / procfs.TICKS
 
 
-def _sleeping(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() in (psutil.STATUS_SLEEPING, psutil.STATUS_DISK_SLEEP)
-    except psutil.Error:
-        return False
+_ASLEEP = ("S", "D")  # /proc states of a process that waits
 
 
 @dataclass
