@@ -45,6 +45,23 @@ def _config(pytester: pytest.Pytester, *args: str) -> pytest.Config:
     return pytester.parseconfig("-p", "pytest_torchhang.plugin", *args)
 
 
+def _one_setting(
+    pytester: pytest.Pytester,
+    names: tuple[str, str, str],
+    ini: str | None,
+    env: str | None,
+    cli: str | None,
+) -> SessionSettings:
+    """The settings with one setting given where the values are not None: (option, ini, env)."""
+    option, ini_key, env_var = names
+    return _settings(
+        pytester,
+        *([f"{option}={cli}"] if cli is not None else []),
+        ini={ini_key: ini} if ini is not None else None,
+        env={env_var: env} if env is not None else None,
+    )
+
+
 def _usage_error(pytester: pytest.Pytester, *args: str, **kw: dict[str, str]) -> str:
     with pytest.raises(pytest.UsageError) as caught:
         _settings(pytester, *args, **kw)
@@ -75,12 +92,8 @@ def test_the_timeout_comes_from_ini_then_env_then_the_command_line(
     seconds: float,
     source: str,
 ) -> None:
-    got = _settings(
-        pytester,
-        *([f"{settings.TIMEOUT_OPTION}={cli}"] if cli is not None else []),
-        ini={settings.TIMEOUT_INI: ini} if ini is not None else None,
-        env={settings.TIMEOUT_ENV: env} if env is not None else None,
-    )
+    names = (settings.TIMEOUT_OPTION, settings.TIMEOUT_INI, settings.TIMEOUT_ENV)
+    got = _one_setting(pytester, names, ini, env, cli)
     assert (got.timeout, got.source) == (seconds, source)
     assert got.stall == 0.0
 
@@ -94,12 +107,8 @@ def test_the_stall_time_comes_from_ini_then_env_then_the_command_line(
     seconds: float,
     source: str,
 ) -> None:
-    got = _settings(
-        pytester,
-        *([f"{settings.STALL_OPTION}={cli}"] if cli is not None else []),
-        ini={settings.STALL_INI: ini} if ini is not None else None,
-        env={settings.STALL_ENV: env} if env is not None else None,
-    )
+    names = (settings.STALL_OPTION, settings.STALL_INI, settings.STALL_ENV)
+    got = _one_setting(pytester, names, ini, env, cli)
     assert got.stall == seconds
     assert (got.timeout, got.source) == (0.0, "default")
 
