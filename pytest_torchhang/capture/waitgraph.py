@@ -18,7 +18,6 @@ from . import procfs, sockets
 
 #: The whole read is bounded: past this, threads keep their syscall but objects are not resolved.
 BUDGET_S = 0.5
-_TICKS = procfs.TICKS
 #: At most this many threads are read per process (a torch process may run dozens of idle ones).
 MAX_TASKS = 64
 #: At most this many descriptors of one poll/select are followed.
@@ -49,16 +48,6 @@ _POLLS = ("poll", "ppoll", "select", "pselect6", "epoll_wait", "epoll_pwait", "e
 _SLEEPS = ("nanosleep", "clock_nanosleep", "pause", "rt_sigsuspend", "rt_sigtimedwait")
 _F_SETLKW = (7, 38)  # F_SETLKW (F_SETLKW64 on 64-bit), F_OFD_SETLKW
 _FUTEX_PRIVATE = 128
-_STATES = {
-    "R": "running",
-    "S": "sleeping",
-    "D": "disk sleep",
-    "T": "stopped",
-    "t": "tracing stop",
-    "Z": "zombie",
-    "X": "dead",
-    "I": "idle",
-}
 
 
 @dataclass
@@ -488,7 +477,7 @@ def _started_before(began_boot_s: float, pid: int, tid: int | None = None) -> bo
     stat = procfs.stat(pid, tid)
     if stat is None:
         return True
-    return stat.start_ticks / _TICKS < began_boot_s - _TICK_SLACK_S
+    return stat.start_ticks / procfs.TICKS < began_boot_s - _TICK_SLACK_S
 
 
 def _member(reader: _Reader, pid: int) -> Member:
@@ -572,9 +561,4 @@ def cpu_s(pid: int, skip_tids: set[int] | None = None) -> float:
             continue
         stat = procfs.stat(pid, int(tid))
         ticks += stat.cpu_ticks if stat is not None else 0
-    return ticks / _TICKS
-
-
-def state_word(letter: str) -> str:
-    """``stopped`` for ``T``: the words reports use for /proc states."""
-    return _STATES.get(letter, letter)
+    return ticks / procfs.TICKS
