@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -39,20 +38,6 @@ def xdist_worker(config: pytest.Config) -> str | None:
     started from a worker are not workers)."""
     workerinput = getattr(config, "workerinput", None)
     return str(workerinput["workerid"]) if workerinput else None
-
-
-@contextlib.contextmanager
-def _sigchld_ignored() -> Iterator[None]:
-    """No Python SIGCHLD handler meanwhile: torch's DataLoader installs one that raises in the
-    main thread when a worker of a live loader dies, which would cut a kill short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
 
 
 @dataclass
@@ -300,8 +285,7 @@ class SessionState:
         for proc in tree.descendants(me, own, alive - theirs):
             with contextlib.suppress(Exception):
                 described[proc.pid] = " ".join(proc.cmdline())[:200]
-        with _sigchld_ignored():
-            result = kill.kill_tree(me, exclude=own, before=alive - theirs)
+        result = kill.kill_tree(me, exclude=own, before=alive - theirs)
         self.leftovers = [f"{p.pid}: {described.get(p.pid, '?')}" for p in result.killed]
 
     def close(self) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from conftest import GuardedRunner, assert_hang
 
 DEADLOCKED_WORKERS = '''
@@ -191,3 +194,66 @@ def test_file_system_sharing_leaves_no_segment_behind(guarded: GuardedRunner) ->
         "cleanup: killed 1 process(es)*left * running*",
     )
     session.assert_clean()
+
+
+KILLED_FROM_A_THREAD = """
+import os
+import signal
+import threading
+import time
+
+from torch.utils.data import DataLoader, Dataset
+
+from pytest_torchhang.capture import kill
+
+
+class Stuck(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        time.sleep(1000)
+
+
+def python_in_the_main_thread(seconds):
+    # as pytest's hooks run after a hang: where torch's SIGCHLD handler raises, if it does
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def outcome(who, seconds=3):
+    try:
+        python_in_the_main_thread(seconds)
+        print(f"{who}: quiet", flush=True)
+    except RuntimeError as exc:
+        print(f"{who}: {exc}", flush=True)
+
+
+hung = iter(DataLoader(Stuck(), num_workers=2, multiprocessing_context="fork"))
+killer = threading.Thread(target=kill.kill_tree, args=(os.getpid(),))  # as the watchdog does
+killer.start()
+outcome("killed by the guard")
+killer.join()
+other = iter(DataLoader(Stuck(), num_workers=1, multiprocessing_context="fork"))
+os.kill(other._workers[0].pid, signal.SIGKILL)
+outcome("killed by someone else")
+os._exit(0)
+"""
+
+
+def test_workers_the_guard_kills_never_make_torchs_sigchld_handler_raise_in_pytest() -> None:
+    # A worker's SIGCHLD that came after the test had ended raised torch's "DataLoader worker
+    # (pid N) is killed by signal" inside pytest's report hook: INTERNALERROR, the session over.
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_FROM_A_THREAD],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    lines = done.stdout.splitlines()
+    assert lines[0] == "killed by the guard: quiet", done.stdout + done.stderr
+    # a worker that died otherwise is still torch's error to raise
+    assert lines[1].startswith("killed by someone else: DataLoader worker (pid"), lines
+    assert "is killed by signal: Killed" in lines[1]

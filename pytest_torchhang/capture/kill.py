@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from . import procfs
+from . import loader_sigchld, procfs
 from .target import Births
 from .tree import (
     ProcessId,
@@ -152,6 +152,7 @@ class _TreeKill:
                 self.stopped.add(proc.pid)
 
     def kill(self, targets: list[psutil.Process]) -> None:
+        loader_sigchld.expect_killed(self.seen[proc.pid] for proc in targets)
         for proc in targets:
             ident = self.seen[proc.pid]
             if signal_process(ident, signal.SIGKILL) and ident not in self.result.killed:
