@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GuardedRunner, assert_hang
+from matrix_scenarios import LATE_S
 from pytest_torchhang.exceptions import HangError, make_renderable
 
 # --- tracebacks pytest can always render -----------------------------------------------------
@@ -185,7 +187,11 @@ def test_interrupting_busy_code_at_many_points_never_ends_the_session(
     session = guarded.run("-p", "no:randomly", timeout=1)
     assert "INTERNALERROR" not in session.text, session.text[-3000:]
     session.result.assert_outcomes(passed=1, failed=10)
-    assert session.result.stdout.str().count("HANG after 1.0s") >= 10
+    # Each busy test is interrupted at its deadline: a little late on a loaded machine, never early.
+    fired = re.findall(
+        r"HANG test_busy\.py::test_busy\[\w+\] - HANG after (\d+\.\d)s", session.text
+    )
+    assert len(fired) == 10 and all(1.0 <= float(s) <= 1.0 + LATE_S for s in fired), fired
 
 
 # --- the watchdog outlives its own failures ---------------------------------------------------
