@@ -123,7 +123,7 @@ EARLY_S = 0.6
 INHERITED_EARLY_S = 2.5
 #: A stall's headline counts from the test's start, a zygote start (which pauses the test's
 #: clocks) included: its silence, ``no progress for Xs``, is what the stall time bounds.
-_SILENCE = re.compile(r"no progress for (\d+(?:\.\d+)?)s")
+SILENCE = re.compile(r"no progress for (\d+(?:\.\d+)?)s")
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def check_cell(session: Session, cell: Cell) -> list[str]:
         elapsed = float(elapsed_text)
         if kind != cell.kind:
             problems.append(f"{kind} fired, expected {cell.kind}: {headlines[0].group(0)}")
-        silence = _SILENCE.search(report) if kind == "STALL" else None
+        silence = SILENCE.search(report) if kind == "STALL" else None
         if silence:
             elapsed = float(silence.group(1))
         inherited = cell.where in ("child", "child_beating", "gloo") and cell.call_timeout is None

@@ -216,6 +216,7 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
 #: once more, for this long, before it is called busy.
 SECOND_LOOK_BELOW_S = 0.2
 SECOND_LOOK_S = 0.1
+_ASLEEP = ("S", "D")  # /proc states of a process that waits
 
 
 def _second_look(reports: list[ProcessReport]) -> None:
@@ -242,9 +243,6 @@ def _second_look(reports: list[ProcessReport]) -> None:
         if before and now and now.start_ticks == before.start_ticks and now.state in _ASLEEP:
             report.cpu_s = now.cpu_ticks / procfs.TICKS
             report.cpu_delta_s = (now.cpu_ticks - before.cpu_ticks) / procfs.TICKS
-
-
-_ASLEEP = ("S", "D")  # /proc states of a process that waits
 
 
 @dataclass
@@ -359,10 +357,8 @@ def _dump_notes(dumps: dict[int, Dump]) -> list[str]:
     ]
 
 
-def _pids_with(dump_dir: str | None, ext: str) -> list[int]:
+def _pids_with(dump_dir: str, ext: str) -> list[int]:
     """Pids with a ``PID.<ext>`` file in ``dump_dir`` (processes gone since included), sorted."""
-    if dump_dir is None:
-        return []
     try:
         names = os.listdir(dump_dir)
     except OSError:
@@ -379,10 +375,11 @@ def child_notes(dump_dir: str | None, processes: list[ProcessReport], since: flo
     """What the plugin's own code failed to do in any process of the tree (``_hook.child_note``),
     since ``since`` (wall time), each line prefixed with its process; processes already gone
     are found by their files in ``dump_dir``."""
+    if dump_dir is None:
+        return []
     roles = {p.pid: p.role for p in processes}
     out: list[str] = []
     for pid in _pids_with(dump_dir, "notes"):
-        assert dump_dir is not None
         try:
             with open(notes_path(dump_dir, pid), "rb") as notes:
                 raw = notes.read(1 << 16).decode(errors="replace")
@@ -468,9 +465,10 @@ def fill_stderr_tails(dump_dir: str | None, processes: list[ProcessReport], sinc
 def gone_stderr_tails(dump_dir: str | None, known: set[int], since: float) -> list[StderrTail]:
     """The last stderr lines of processes that wrote some since ``since`` and are gone (not in
     ``known``, no longer in /proc): a child that printed its traceback and exited."""
+    if dump_dir is None:
+        return []
     found: list[tuple[float, StderrTail]] = []
     for pid in _pids_with(dump_dir, "stderr"):
-        assert dump_dir is not None
         if pid in known or pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
             continue  # alive, so not of this tree (a session's helper), or a reused pid
         lines, written = read_stderr_tail(stderr_path(dump_dir, pid), since)
