@@ -301,6 +301,15 @@ class GuardedRunner:
         return Session(result, wall, leftovers, new_shm)
 
 
+@pytest.fixture(autouse=True)
+def _inner_sessions_as_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inner sessions run without pytest-randomly (a test extra), as the outer one does; a test of
+    the plugins users run enables it explicitly."""
+    addopts = os.environ.get("PYTEST_ADDOPTS", "")
+    if "no:randomly" not in addopts:
+        monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:randomly".strip())
+
+
 @pytest.fixture
 def guarded(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[GuardedRunner]:
     """Run inner pytest sessions with pytest-torchhang and collect what they left behind."""
