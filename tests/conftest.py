@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from warm import SERVER_OF_THIS_PROCESS as WARM
 
 pytest_plugins = ["pytester"]
 
@@ -87,6 +88,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "needs_torch: the test (or its inner session) imports torch (set by conftest)"
     )
+    config.addinivalue_line(
+        "markers",
+        "cold_start: the test's inner sessions start a fresh interpreter (start-up is what it "
+        "looks at), never the warm server (tests/warm.py)",
+    )
     if hasattr(config, "workerinput"):  # pytest-xdist: the controller runs them, once
         return
     config.stash[_HOGS] = [
@@ -105,6 +111,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    WARM.close()
     for hog in config.stash.get(_HOGS, []):
         hog.kill()
         hog.wait()
@@ -250,9 +257,12 @@ class Session:
 class GuardedRunner:
     """Writes test files into a pytester dir and runs them in a subprocess pytest session."""
 
-    def __init__(self, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *, warm: bool = True
+    ) -> None:
         self.pytester = pytester
         self.monkeypatch = monkeypatch
+        self.warm = warm
 
     def run(
         self,
@@ -262,7 +272,10 @@ class GuardedRunner:
         grace_s: float = 10,
         stdin: bytes | None = None,
         python: str = sys.executable,
+        warm: bool | None = None,
     ) -> Session:
+        """``warm``: start the session from the warm server (tests/warm.py) where that is
+        faithful; the default is the test's (``cold_start`` marker: never)."""
         tag = uuid.uuid4().hex
         self.monkeypatch.setenv(TAG_ENV, tag)
         shm = ShmScope(tag)
@@ -272,15 +285,25 @@ class GuardedRunner:
         command = shm.command(
             python, "-mpytest", f"--basetemp={basetemp}", "-p", "no:cacheprovider"
         )
+        warm = self.warm if warm is None else warm
         start = time.monotonic()
         try:
-            result = self.pytester.run(
-                *command,
-                *extra,
-                *args,
-                timeout=wait_s,
-                stdin=self.pytester.CLOSE_STDIN if stdin is None else stdin,
-            )
+            if warm and WARM.accepts(python, dict(os.environ)):
+                result = WARM.run(
+                    self.pytester,
+                    [f"--basetemp={basetemp}", "-p", "no:cacheprovider", *extra, *args],
+                    stdin=stdin,
+                    shm=shm.directory if shm.private else None,
+                    timeout=wait_s,
+                )
+            else:
+                result = self.pytester.run(
+                    *command,
+                    *extra,
+                    *args,
+                    timeout=wait_s,
+                    stdin=self.pytester.CLOSE_STDIN if stdin is None else stdin,
+                )
             wall = time.monotonic() - start
             # Session helpers (resource_tracker, forkserver) exit by themselves once pytest is
             # gone: give them a moment, then anything of this session still alive is a leak.
@@ -303,15 +326,19 @@ class GuardedRunner:
 
 @pytest.fixture(autouse=True)
 def _inner_sessions_as_ours(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inner sessions run without pytest-randomly (a test extra), as the outer one does; a test of
-    the plugins users run enables it explicitly."""
+    """Inner sessions run without pytest-randomly (a test extra), as the outer one does, and with
+    pytest-asyncio's loop scope set (else it warns in every session); a test of the plugins users
+    run enables randomly explicitly."""
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
     if "no:randomly" not in addopts:
-        monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:randomly".strip())
+        ours = "-p no:randomly -o asyncio_default_fixture_loop_scope=function"
+        monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} {ours}".strip())
 
 
 @pytest.fixture
-def guarded(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[GuardedRunner]:
+def guarded(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[GuardedRunner]:
     """Run inner pytest sessions with pytest-torchhang and collect what they left behind."""
     monkeypatch.delenv("PYTEST_TORCH_HANG_TIMEOUT", raising=False)
     # An inner session starts as on a fresh machine, whatever an in-process session of another
@@ -322,7 +349,8 @@ def guarded(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Itera
     kept = [p for p in paths if p and not p.endswith(site)]
     if kept != [p for p in paths if p]:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(kept))
-    yield GuardedRunner(pytester, monkeypatch)
+    cold = request.node.get_closest_marker("cold_start") is not None
+    yield GuardedRunner(pytester, monkeypatch, warm=not cold)
 
 
 def assert_hang(session: Session, test_name: str, *expected: str) -> str:
