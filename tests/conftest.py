@@ -325,10 +325,12 @@ class GuardedRunner:
 
 
 @pytest.fixture(autouse=True)
-def _inner_sessions_as_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+def _inner_sessions_as_ours(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Inner sessions run without pytest-randomly (a test extra), as the outer one does, and with
     pytest-asyncio's loop scope set (else it warns in every session); a test of the plugins users
     run enables randomly explicitly."""
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")  # which clears PYTEST_ADDOPTS: set it after
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
     if "no:randomly" not in addopts:
         ours = "-p no:randomly -o asyncio_default_fixture_loop_scope=function"
