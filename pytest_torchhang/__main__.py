@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import shutil
@@ -23,7 +24,8 @@ EXAMPLES_INTERRUPT_GRACE_S = 60.0
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pytest_torchhang", description="Render saved hang reports, join hunts, run the example suite"
+        prog="python -m pytest_torchhang",
+        description="Render saved hang reports, join hunts, run the example suite",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="Render a saved JSON hang report")
@@ -57,7 +59,9 @@ def examples_dir() -> Path | None:
     if (shipped / "conftest.py").is_file():
         return shipped
     checkout = package.parent
-    if (checkout / "pyproject.toml").is_file() and (checkout / "examples" / "conftest.py").is_file():
+    if (checkout / "pyproject.toml").is_file() and (
+        checkout / "examples" / "conftest.py"
+    ).is_file():
         return checkout / "examples"
     return None
 
@@ -76,6 +80,13 @@ def run_examples(pytest_args: list[str]) -> int:
             "python -m pytest_torchhang examples: this installation has no example suite "
             f"(looked in {Path(__file__).resolve().parent / 'examples'}); reinstall "
             "pytest-torchhang from its wheel, or run `python -m pytest examples` in a checkout",
+            file=sys.stderr,
+        )
+        return BAD_INPUT
+    if importlib.util.find_spec("torchvision") is None:
+        print(
+            "python -m pytest_torchhang examples: the example suite needs torchvision, which is "
+            "not installed: pip install 'pytest-torchhang[examples]'",
             file=sys.stderr,
         )
         return BAD_INPUT
