@@ -70,9 +70,10 @@ def run_examples(pytest_args: list[str]) -> int:
     """Run the example suite under pytest with ``pytest_args``; pytest's exit status.
 
     The suite runs from a temporary copy, so that pytest writes its caches and bytecode there
-    rather than into the installed package. pytest runs in this directory with the copy as its
-    test path: the copy's ``pytest.ini`` is the session's, and relative paths given to pytest
-    (``--torch-hang-report-dir=DIR``, ``--junitxml=FILE``) are this directory's, as usual.
+    rather than into the installed package. pytest runs in the current directory with the copy
+    as its test path: the copy's ``pytest.ini`` is the session's, and relative paths given to
+    pytest (``--torch-hang-report-dir=DIR``, ``--junitxml=FILE``) are the current directory's, as
+    usual; tests are chosen with ``-k``.
     """
     source = examples_dir()
     if source is None:

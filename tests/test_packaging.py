@@ -26,9 +26,6 @@ import pytest
 
 from conftest import TAG_ENV, ShmScope, tagged_processes
 
-# The installed wheel's example session imports torch (and torchvision).
-pytestmark = pytest.mark.needs_torch
-
 ROOT = Path(__file__).resolve().parent.parent
 #: Where the project lives: [project.urls] and the index page's links point there.
 REPOSITORY = "https://github.com/pytest-torchhang/pytest-torchhang"
@@ -235,6 +232,7 @@ def _fresh_venv(root: Path, wheel: Path) -> Path:
     return python
 
 
+@pytest.mark.needs_torch  # the example session imports torch and torchvision
 def test_the_installed_wheel_runs_an_example_hang_from_its_own_copy_of_the_suite(
     dists: Dists, tmp_path: Path
 ) -> None:
