@@ -23,6 +23,7 @@ import pytest
 from . import settings
 
 if TYPE_CHECKING:
+    from .debuggers import DebuggerWatch
     from .hunt import HuntPlugin
     from .report.model import HangReport
     from .runner.api import TorchHang
@@ -38,6 +39,9 @@ _SESSION = pytest.StashKey["SessionState"]()
 _PER_TEST = "torchhang-per-test"
 _HUNT = "torchhang-hunt"
 _ITEM_SETTINGS = pytest.StashKey[settings.ItemSettings]()
+#: pytest-timeout's --timeout-disable-debugger-detection (or its ini key) is set
+_NO_DEBUGGER_DETECTION = pytest.StashKey[bool]()
+_DEBUGGER_WATCH = pytest.StashKey["DebuggerWatch"]()
 
 _TORCH_HANG_HELP = (
     f"{settings.MARKER}(timeout=None, stall=None, isolate=False): bound this test by timeout "
@@ -127,10 +131,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "gpu(count=1): needs count CUDA GPUs (pytest-torchhang)")
         config.addinivalue_line("markers", "cpu: must not touch a GPU (pytest-torchhang)")
         return
-    from . import devices
+    from . import debuggers, devices
     from .session import SessionState
 
     config.stash[_SESSION] = SessionState(config, session_settings, os.dup(2))
+    config.stash[_NO_DEBUGGER_DETECTION] = debuggers.detection_disabled(config)
     config.pluginmanager.register(devices.DevicePlugin(config), "torchhang-devices")
     if session_settings.hunt:
         from .hunt import HuntPlugin
@@ -229,7 +234,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
 
     item_settings = item.stash.get(_ITEM_SETTINGS, None)
     stall = item_settings.stall if item_settings else 0.0
-    state.arm(item, float(settings.timeout), stall, Source.PYTEST_TIMEOUT)
+    _watch_debuggers(item, state.arm(item, float(settings.timeout), stall, Source.PYTEST_TIMEOUT))
     return True
 
 
@@ -248,13 +253,44 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     return True
 
 
+def _watch_debuggers(item: pytest.Item, held: TestDeadline) -> None:
+    """Give the test's deadline its debugger check (pytest-timeout's rule, ``debuggers.py``),
+    unless pytest-timeout's switch turns detection off; on the test's thread."""
+    if item.config.stash.get(_NO_DEBUGGER_DETECTION, False):
+        return
+    watch = item.stash.get(_DEBUGGER_WATCH, None)
+    if watch is None or held.debugger is not watch:
+        from .debuggers import DebuggerWatch
+
+        watch = item.stash[_DEBUGGER_WATCH] = DebuggerWatch(item.nodeid, held.thread_id)
+        held.debugger = watch
+    watch.saw(sys.gettrace())
+
+
 def pytest_enter_pdb(config: pytest.Config) -> None:
     """No hang is declared, and nothing killed, once a user has sat in the debugger: every clock
     of the current test stops for the rest of it (pytest-timeout's rule too, which users know:
-    after ``continue`` a test is being debugged, and killing it a second later would surprise)."""
+    after ``continue`` a test is being debugged, and killing it a second later would surprise).
+    pytest-timeout's ``--timeout-disable-debugger-detection`` turns it off, as there."""
+    if config.stash.get(_NO_DEBUGGER_DETECTION, False):
+        return
     state = config.stash.get(_SESSION, None)
     if state is not None and state.current is not None:
         state.pause(state.current)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_exception_interact(node: pytest.Item | pytest.Collector) -> None:
+    """Under ``--pdb`` a failure of setup, call or teardown opens the post-mortem debugger
+    before the rest of the test runs: its clocks stop first, for the rest of it (pytest-timeout
+    cancels its timer here too). Without ``--pdb`` nothing waits for a user, and the rest of a
+    failing test (its teardown) stays bounded."""
+    if not node.config.getoption("usepdb", False):
+        return
+    state = node.config.stash.get(_SESSION, None)
+    held = _deadline(node) if isinstance(node, pytest.Item) else None
+    if state is not None and held is not None:
+        state.pause(held)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -415,7 +451,7 @@ class _PerTestHooks:
             item, state.settings
         )
         if item_settings.timeout > 0 or item_settings.stall > 0:
-            state.arm(item, item_settings.timeout, item_settings.stall)
+            _watch_debuggers(item, state.arm(item, item_settings.timeout, item_settings.stall))
         else:
             state.forget_births()
         hunter = _hunter(item.config)
@@ -461,6 +497,9 @@ class _PerTestHooks:
         held = item.stash.get(self._key, None)
         if held is None:
             return (yield)
+        watch = item.stash.get(_DEBUGGER_WATCH, None)
+        if watch is not None:
+            watch.saw(sys.gettrace())  # this thread's: the watchdog's own is not the test's
         held.enter_phase(name)
         try:
             return (yield)
