@@ -42,6 +42,8 @@ _ITEM_SETTINGS = pytest.StashKey[settings.ItemSettings]()
 #: pytest-timeout's --timeout-disable-debugger-detection (or its ini key) is set
 _NO_DEBUGGER_DETECTION = pytest.StashKey[bool]()
 _DEBUGGER_WATCH = pytest.StashKey["DebuggerWatch"]()
+#: the deadline whose setup ran: a second setup under it is a rerun (pytest-rerunfailures)
+_SET_UP = pytest.StashKey["TestDeadline"]()
 
 _TORCH_HANG_HELP = (
     f"{settings.MARKER}(timeout=None, stall=None, isolate=False): bound this test by timeout "
@@ -328,7 +330,9 @@ def pytest_terminal_summary(
     stats = terminalreporter.stats
     hunter = _hunter(config)
     failures = stats.get("failed", []) + stats.get("error", [])
-    if state is None or not (state.notes or state.leftovers or failures or hunter):
+    if state is None or not (
+        state.notes or state.leftovers or failures or hunter or stats.get("rerun")
+    ):
         return  # nothing to say (and nothing more to import)
     from .report import handoff
 
@@ -351,9 +355,13 @@ def pytest_terminal_summary(
             write(line)
         hunter.write_json(state.settings.report_dir)
     hangs = [r for r in failures if handoff.is_hang(r)]
-    if not hangs:
+    # pytest-rerunfailures: an attempt that hung and was run again is a "rerun", not a failure
+    reruns = [r for r in stats.get("rerun", []) if handoff.is_hang(r)]
+    if not hangs and not reruns:
         return
     terminalreporter.write_sep("=", "torch-hang summary", red=True, bold=True)
+    for report in reruns:
+        write(f"attempt {getattr(report, 'rerun', 0) + 1}, run again: {handoff.headline(report)}")
     for report in hangs:
         write(handoff.headline(report))
     if os.environ.get("GITHUB_ACTIONS") == "true":
@@ -466,6 +474,10 @@ class _PerTestHooks:
             if held is not None:
                 state.finish(held)
                 del item.stash[self._key]
+            if _SET_UP in item.stash:  # the next run of the item starts afresh
+                del item.stash[_SET_UP]
+            if _DEBUGGER_WATCH in item.stash:
+                del item.stash[_DEBUGGER_WATCH]
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(
@@ -497,6 +509,8 @@ class _PerTestHooks:
         held = item.stash.get(self._key, None)
         if held is None:
             return (yield)
+        if name == "setup":
+            held = self._attempt(item, held)
         watch = item.stash.get(_DEBUGGER_WATCH, None)
         if watch is not None:
             watch.saw(sys.gettrace())  # this thread's: the watchdog's own is not the test's
@@ -505,6 +519,30 @@ class _PerTestHooks:
             return (yield)
         finally:
             held.leave_phase()
+
+    def _attempt(self, item: pytest.Item, held: TestDeadline) -> TestDeadline:
+        """The deadline of the attempt whose setup starts now.
+
+        pytest-rerunfailures runs a test's setup, call and teardown again inside one
+        ``pytest_runtest_protocol``: each attempt gets the test's deadlines afresh (its limits
+        and stall time, as they were), so that a rerun is bounded as its first run was, neither
+        left to the grace of a first attempt that hung nor short of the time a slow one took.
+        """
+        if item.stash.get(_SET_UP, None) is not held:  # the first attempt
+            item.stash[_SET_UP] = held
+            return held
+        from .deadline import Source
+
+        limits = [(limit.source, limit.seconds) for limit in held.state.limits]
+        stall = held.state.stall_s
+        self.state.finish(held)
+        del item.stash[self._key]
+        fresh = held
+        for source, seconds in limits or [(Source.TIMEOUT, 0.0)]:
+            fresh = self.state.arm(item, seconds, stall, source)
+        _watch_debuggers(item, fresh)
+        item.stash[_SET_UP] = fresh
+        return fresh
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(
