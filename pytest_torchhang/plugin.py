@@ -44,6 +44,8 @@ _NO_DEBUGGER_DETECTION = pytest.StashKey[bool]()
 _DEBUGGER_WATCH = pytest.StashKey["DebuggerWatch"]()
 #: the deadline whose setup ran: a second setup under it is a rerun (pytest-rerunfailures)
 _SET_UP = pytest.StashKey["TestDeadline"]()
+#: within pytest_exception_interact of a failure (without --pdb: nobody debugs it)
+_INTERACTING = pytest.StashKey[bool]()
 
 _TORCH_HANG_HELP = (
     f"{settings.MARKER}(timeout=None, stall=None, isolate=False): bound this test by timeout "
@@ -247,6 +249,8 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     state = item.config.stash.get(_SESSION, None)
     if state is None:
         return None
+    if item.stash.get(_INTERACTING, False):  # a failure without --pdb: the limit stays
+        return True
     held = _deadline(item)
     if held is not None:
         from .deadline import ClearLimit, Source
@@ -281,18 +285,27 @@ def pytest_enter_pdb(config: pytest.Config) -> None:
         state.pause(state.current)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_exception_interact(node: pytest.Item | pytest.Collector) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_exception_interact(
+    node: pytest.Item | pytest.Collector,
+) -> Generator[None, object, object]:
     """Under ``--pdb`` a failure of setup, call or teardown opens the post-mortem debugger
     before the rest of the test runs: its clocks stop first, for the rest of it (pytest-timeout
-    cancels its timer here too). Without ``--pdb`` nothing waits for a user, and the rest of a
-    failing test (its teardown) stays bounded."""
-    if not node.config.getoption("usepdb", False):
-        return
+    cancels its timer here too). Without ``--pdb`` nothing waits for a user: pytest-timeout's
+    cancel, which it makes here at every failure, is ignored, so that the rest of a failing test
+    (its teardown, where joins of workers hang) stays bounded by ``--timeout`` too."""
     state = node.config.stash.get(_SESSION, None)
     held = _deadline(node) if isinstance(node, pytest.Item) else None
-    if state is not None and held is not None:
+    if state is None or held is None:
+        return (yield)
+    if node.config.getoption("usepdb", False):
         state.pause(held)
+        return (yield)
+    node.stash[_INTERACTING] = True
+    try:
+        return (yield)
+    finally:
+        del node.stash[_INTERACTING]
 
 
 @pytest.hookimpl(wrapper=True)

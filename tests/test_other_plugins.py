@@ -129,11 +129,15 @@ def test_the_post_mortem_debugger_holds_the_rest_of_the_test(guarded: GuardedRun
     assert "HANG" not in session.result.stdout.str()
 
 
-def test_without_pdb_a_failing_tests_teardown_stays_bounded(guarded: GuardedRunner) -> None:
+@pytest.mark.parametrize("option", ["--torch-hang-timeout=1", "--timeout=1"])
+def test_without_pdb_a_failing_tests_teardown_stays_bounded(
+    guarded: GuardedRunner, option: str
+) -> None:
     guarded.pytester.makepyfile(test_pm=POST_MORTEM)
-    session = guarded.run(timeout=1)
-    session.result.assert_outcomes(failed=1, errors=1)
-    assert "HANG after 1." in session.result.stdout.str()
+    session = guarded.run(option, timeout=None)
+    session.result.assert_outcomes(failed=1, errors=1)  # the call's failure, the teardown's hang
+    report = session.report_of("test_fails")
+    assert "HANG after 1." in session.result.stdout.str(), report
 
 
 # --- pytest-cov ----------------------------------------------------------------------------
