@@ -42,8 +42,8 @@ _ITEM_SETTINGS = pytest.StashKey[settings.ItemSettings]()
 #: pytest-timeout's --timeout-disable-debugger-detection (or its ini key) is set
 _NO_DEBUGGER_DETECTION = pytest.StashKey[bool]()
 _DEBUGGER_WATCH = pytest.StashKey["DebuggerWatch"]()
-#: the deadline whose setup ran: a second setup under it is a rerun (pytest-rerunfailures)
-_SET_UP = pytest.StashKey["TestDeadline"]()
+#: the deadline a phase of the item ran under: a setup under it is a rerun (rerunfailures)
+_PHASED = pytest.StashKey["TestDeadline"]()
 #: within pytest_exception_interact of a failure (without --pdb: nobody debugs it)
 _INTERACTING = pytest.StashKey[bool]()
 
@@ -487,8 +487,8 @@ class _PerTestHooks:
             if held is not None:
                 state.finish(held)
                 del item.stash[self._key]
-            if _SET_UP in item.stash:  # the next run of the item starts afresh
-                del item.stash[_SET_UP]
+            if _PHASED in item.stash:  # the next run of the item starts afresh
+                del item.stash[_PHASED]
             if _DEBUGGER_WATCH in item.stash:
                 del item.stash[_DEBUGGER_WATCH]
 
@@ -508,7 +508,10 @@ class _PerTestHooks:
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, object, object]:
         return (yield from self._phase(item, "setup"))
 
-    @pytest.hookimpl(wrapper=True)
+    # trylast: the innermost wrapper, inside pytest-timeout's, which arms its func_only limit
+    # around the call (an outer wrapper would find no deadline, and the test would never be
+    # interrupted: only the monitor would end it, pytest and all)
+    @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
         return (yield from self._phase(item, "call"))
 
@@ -522,8 +525,9 @@ class _PerTestHooks:
         held = item.stash.get(self._key, None)
         if held is None:
             return (yield)
-        if name == "setup":
-            held = self._attempt(item, held)
+        if name == "setup" and item.stash.get(_PHASED, None) is held:
+            held = self._rerun(item, held)
+        item.stash[_PHASED] = held
         watch = item.stash.get(_DEBUGGER_WATCH, None)
         if watch is not None:
             watch.saw(sys.gettrace())  # this thread's: the watchdog's own is not the test's
@@ -533,17 +537,15 @@ class _PerTestHooks:
         finally:
             held.leave_phase()
 
-    def _attempt(self, item: pytest.Item, held: TestDeadline) -> TestDeadline:
-        """The deadline of the attempt whose setup starts now.
+    def _rerun(self, item: pytest.Item, held: TestDeadline) -> TestDeadline:
+        """The deadline of a new attempt of the test, whose setup starts now.
 
         pytest-rerunfailures runs a test's setup, call and teardown again inside one
         ``pytest_runtest_protocol``: each attempt gets the test's deadlines afresh (its limits
         and stall time, as they were), so that a rerun is bounded as its first run was, neither
         left to the grace of a first attempt that hung nor short of the time a slow one took.
+        (pytest-timeout's ``func_only`` limit, lifted after each call, is set again by it.)
         """
-        if item.stash.get(_SET_UP, None) is not held:  # the first attempt
-            item.stash[_SET_UP] = held
-            return held
         from .deadline import Source
 
         limits = [(limit.source, limit.seconds) for limit in held.state.limits]
@@ -554,7 +556,6 @@ class _PerTestHooks:
         for source, seconds in limits or [(Source.TIMEOUT, 0.0)]:
             fresh = self.state.arm(item, seconds, stall, source)
         _watch_debuggers(item, fresh)
-        item.stash[_SET_UP] = fresh
         return fresh
 
     @pytest.hookimpl(wrapper=True)

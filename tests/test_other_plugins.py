@@ -24,6 +24,30 @@ def assert_in_time(text: str, due_s: float) -> None:
     assert fired, text[:2000]
     assert due_s <= float(fired.group(1)) <= due_s + LATE_S, fired.group(0)
 
+# --- pytest-timeout --------------------------------------------------------------------------
+
+FUNC_ONLY = """
+import time
+
+
+def test_hangs_in_its_call():
+    time.sleep(30)
+
+
+def test_the_next_one_runs():
+    pass
+"""
+
+
+def test_pytest_timeouts_func_only_limit_interrupts_the_call(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_fo=FUNC_ONLY)
+    session = guarded.run("--timeout=2", "-o", "timeout_func_only=true", timeout=None)
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_fired_in_time(session, "test_hangs_in_its_call", 2.0)
+    assert "pytest included" not in session.text  # the watchdog acted, not the last resort
+    session.assert_clean()
+
+
 # --- debuggers (pytest-timeout's rule: a debugger holds every deadline) ----------------------
 
 #: A trace function from a module named as PyCharm's and VS Code's debugger is (debugpy runs a
@@ -205,10 +229,19 @@ def test_hangs():
 """
 
 
-def test_each_rerun_of_a_hanging_test_is_bounded_and_reported(guarded: GuardedRunner) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [("--torch-hang-timeout=2",), ("--timeout=2", "-o", "timeout_func_only=true")],
+    ids=["torch-hang-timeout", "pytest-timeout func_only"],
+)
+def test_each_rerun_of_a_hanging_test_is_bounded_and_reported(
+    guarded: GuardedRunner, options: tuple[str, ...]
+) -> None:
     guarded.pytester.makepyfile(test_rr=HANGS_EACH_ATTEMPT)
     reports = guarded.pytester.path / "hangs"
-    session = guarded.run("--reruns", "1", f"--torch-hang-report-dir={reports}", timeout=2)
+    session = guarded.run(
+        "--reruns", "1", f"--torch-hang-report-dir={reports}", *options, timeout=None
+    )
     assert session.result.parseoutcomes() == {"failed": 1, "rerun": 1}
     assert_fired_in_time(session, "test_hangs", 2.0)
     session.result.stdout.fnmatch_lines(
