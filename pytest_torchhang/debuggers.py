@@ -101,13 +101,19 @@ def stack_traces(frame: FrameType | None, limit: int = MAX_FRAMES) -> list[objec
 def detection_disabled(config: pytest.Config) -> bool:
     """pytest-timeout's ``--timeout-disable-debugger-detection`` or its ini key (both False
     when pytest-timeout is not installed or disabled: they do not exist then)."""
+    import pytest
+
     if config.getoption("timeout_disable_debugger_detection", None):
         return True
     try:
         value: object = config.getini(DISABLE_INI)
+    except pytest.UsageError as exc:  # pytest's own message names the value, not the key
+        raise pytest.UsageError(
+            f"ini option {DISABLE_INI} (pytest-timeout's) must be true or false: {exc}"
+        ) from exc
     except ValueError:  # pytest-timeout is not installed (or disabled): no such key
         return False
-    if isinstance(value, str):  # an old pytest-timeout without the key's bool type
+    if isinstance(value, str):  # a pytest older than 9 hands a bool key's text over as it is
         value = value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)
 

@@ -195,6 +195,17 @@ def test_pytest_timeouts_switch_turns_detection_off(
     assert debuggers.detection_disabled(config) is expected
 
 
+def test_a_bad_value_of_pytest_timeouts_ini_key_is_a_usage_error_naming_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("pytest_timeout")
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makeini(f"[pytest]\n{debuggers.DISABLE_INI} = maybe\n")
+    config = pytester.parseconfig("-p", "pytest_timeout")
+    with pytest.raises(pytest.UsageError, match=f"ini option {debuggers.DISABLE_INI} .*maybe"):
+        debuggers.detection_disabled(config)
+
+
 def test_without_pytest_timeout_detection_is_on(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
