@@ -528,7 +528,7 @@ class _PerTestHooks:
         if name == "setup" and item.stash.get(_PHASED, None) is held:
             held = self._rerun(item, held)
         item.stash[_PHASED] = held
-        watch = item.stash.get(_DEBUGGER_WATCH, None)
+        watch: DebuggerWatch | None = item.stash.get(_DEBUGGER_WATCH, None)
         if watch is not None:
             watch.saw(sys.gettrace())  # this thread's: the watchdog's own is not the test's
         held.enter_phase(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+
 import pytest
 
 from conftest import GuardedRunner, Session, assert_hang
@@ -23,6 +24,7 @@ def assert_in_time(text: str, due_s: float) -> None:
     fired = re.search(r"HANG after (\d+\.\d)s", text)
     assert fired, text[:2000]
     assert due_s <= float(fired.group(1)) <= due_s + LATE_S, fired.group(0)
+
 
 # --- pytest-timeout --------------------------------------------------------------------------
 
@@ -250,7 +252,7 @@ def test_each_rerun_of_a_hanging_test_is_bounded_and_reported(
     attempts = (guarded.pytester.path / "attempts.txt").read_text().split()
     hangs = sorted((json.loads(p.read_text()) for p in reports.glob("*.json")), key=_created)
     assert len(attempts) == len(hangs) == 2, (attempts, hangs)
-    for started, hang in zip(map(float, attempts), hangs):
+    for started, hang in zip(map(float, attempts), hangs, strict=True):
         assert_in_time(hang["headline"], 2.0)
         # its time counts from its own attempt's start, not from the first attempt's (in whose
         # teardown grace a rerun would otherwise run)

@@ -84,7 +84,7 @@ def test_no_trace_or_a_plain_one_is_no_debugger() -> None:
 
 def test_the_known_modules_are_pytest_timeouts() -> None:
     pytest_timeout = pytest.importorskip("pytest_timeout")
-    assert debuggers.KNOWN_DEBUGGING_MODULES == set(pytest_timeout.KNOWN_DEBUGGING_MODULES)
+    assert set(pytest_timeout.KNOWN_DEBUGGING_MODULES) == debuggers.KNOWN_DEBUGGING_MODULES
 
 
 def test_a_sys_monitoring_debugger_tool_is_a_debugger() -> None:
