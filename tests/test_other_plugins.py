@@ -117,6 +117,19 @@ def test_a_debuggers_trace_function_holds_every_deadline_source(
     session.assert_clean()
 
 
+def test_a_debugger_holds_the_stall_time_too(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(pydevd=PYDEVD, test_dbg=AT_A_BREAKPOINT.format(mark=""))
+    session = guarded.run("--torch-hang-stall=1", timeout=None)
+    session.result.assert_outcomes(passed=1, failed=1)
+    assert session.report_of("test_hangs_without_a_debugger").splitlines()[1].startswith(
+        "STALL after "
+    )
+    session.result.stdout.fnmatch_lines(
+        ["test_dbg.py::test_sits_at_a_breakpoint: its deadline came while a debugger held*"]
+    )
+    session.assert_clean()
+
+
 def test_pytest_timeouts_switch_lets_the_deadline_interrupt_a_debugger(
     guarded: GuardedRunner,
 ) -> None:
