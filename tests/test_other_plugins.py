@@ -121,9 +121,8 @@ def test_a_debugger_holds_the_stall_time_too(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(pydevd=PYDEVD, test_dbg=AT_A_BREAKPOINT.format(mark=""))
     session = guarded.run("--torch-hang-stall=1", timeout=None)
     session.result.assert_outcomes(passed=1, failed=1)
-    assert session.report_of("test_hangs_without_a_debugger").splitlines()[1].startswith(
-        "STALL after "
-    )
+    headline = session.report_of("test_hangs_without_a_debugger").splitlines()[1]
+    assert headline.startswith("STALL after "), headline
     session.result.stdout.fnmatch_lines(
         ["test_dbg.py::test_sits_at_a_breakpoint: its deadline came while a debugger held*"]
     )
