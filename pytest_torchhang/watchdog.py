@@ -68,6 +68,9 @@ class TestDeadline:
     wake: float = deadline.INF  # when the model wants to be looked at again
     #: pids of fixture calls' children in flight: a fire of the test captures and kills them too
     call_children: dict[int, list[int]] = field(default_factory=dict)
+    #: asked when a deadline comes due: a note when a debugger holds the test (pytest-timeout's
+    #: rule, ``debuggers.py``), else None; None: detection is off
+    debugger: Callable[[], str | None] | None = None
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
@@ -341,6 +344,8 @@ class Watchdog:
                 if restarted:
                     self._errors.append(restarted)
                 if decision.action is Action.FIRE:
+                    if self._held_for_debugger(held):
+                        continue
                     self._fire(held, decision.kind is Kind.STALL)
                 elif decision.action is Action.REKILL:
                     forget_torn_out_modules()
@@ -361,6 +366,21 @@ class Watchdog:
         except Exception as exc:  # the fire imports it again, and reports what fails then
             self._errors.append(f"pytest-torchhang could not load its capture: {exc!r}")
             self._preloaded = True  # no retry loop
+
+    def _held_for_debugger(self, held: TestDeadline) -> bool:
+        """A debugger holds the test as its deadline comes (pytest-timeout's rule): nothing is
+        captured or killed, and the test runs on with no deadline, as pytest-timeout drops its
+        timer then. The session's notes say so."""
+        note = held.debugger() if held.debugger is not None else None
+        if note is None:
+            return False
+        held.feed(deadline.Disarm(), by_watchdog=True)
+        if held.done is not None:
+            held.done.set()  # no capture is in progress after all
+        with self._cond:
+            self._tell_monitor(held)
+        self._errors.append(note)
+        return True
 
     def _fire(self, held: TestDeadline, stalled: bool) -> None:
         self._monitor.send("FIRED")
