@@ -186,7 +186,6 @@ def test_the_plugin_left_nothing_behind():
 
 def test_without_a_timeout_the_plugin_is_inert(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_inert=INERT)
-    # pytest-rerunfailures (a test extra) starts a server thread in every session beside xdist
     session = guarded.run(timeout=None)
     session.result.assert_outcomes(passed=1)
     assert "torch-hang summary" not in session.result.stdout.str()
