@@ -14,13 +14,12 @@ import math
 import os
 import sys
 import threading
-import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from . import settings
+from . import clock, settings
 
 if TYPE_CHECKING:
     from .hunt import HuntPlugin
@@ -506,7 +505,7 @@ class _PerTestHooks:
         held = pyfuncitem.stash.get(self._key, None)
         due = held.deadline if held is not None else math.inf
         timeout = (
-            max(due - time.monotonic() - api.MARGIN_S, 0.1)
+            max(due - clock.monotonic() - api.MARGIN_S, 0.1)
             if due < math.inf
             else api.DEFAULT_TIMEOUT_S
         )

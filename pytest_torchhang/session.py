@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pytest
 
-from . import deadline, settings
+from . import clock, deadline, settings
 
 # The guard's own modules are imported when a test is first guarded (a session without a
 # timeout never pays for them), and the cold path (psutil, the capture, the diagnosis, the
@@ -149,7 +148,7 @@ class SessionState:
         from .capture.target import CaptureTarget
         from .watchdog import TestDeadline
 
-        now = time.monotonic()
+        now = clock.monotonic()
         state = deadline.start(now, {source: timeout_s}, stall_s)
         target = CaptureTarget(
             test_id=item.nodeid,
@@ -158,7 +157,7 @@ class SessionState:
             dump_dir=self.dump_dir,
             started=now,
             exclude=self.own_pids(start=False),  # started at activation; restarted on demand
-            shm_since=time.time(),
+            shm_since=clock.wall(),
             native=self.settings.native,
             before=self._take_births(),
         )

@@ -6,8 +6,9 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
+
+from .. import clock
 
 #: Whole budget for native stacks of one hang, and the most one process may take.
 BUDGET_S = 6.0
@@ -65,9 +66,9 @@ def native_stacks(pids: list[int], all_threads: set[int], native: bool = True) -
         )
     stacks: dict[int, str] = {}
     failures: list[str] = []
-    deadline = time.monotonic() + BUDGET_S
+    deadline = clock.monotonic() + BUDGET_S
     for pid in pids[:MAX_PROCESSES]:
-        left = deadline - time.monotonic()
+        left = deadline - clock.monotonic()
         if left <= 0.2:
             failures.append(f"{pid}: out of time")
             continue

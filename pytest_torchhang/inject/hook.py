@@ -7,6 +7,7 @@ loads it by path in every interpreter a guarded test starts, before any user cod
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import signal
 import time
@@ -20,6 +21,16 @@ DUMP_DIR_ENV = "PYTEST_TORCH_HANG_DUMP_DIR"
 #: The signal a guarded process answers by writing the stacks of all its threads. A real-time
 #: signal, so it does not collide with SIGUSR1/SIGUSR2 handlers that training code installs.
 DUMP_SIGNAL = signal.SIGRTMIN + 5
+
+# Wall time out of reach of a test's patches of ``time`` (freezegun, time-machine), as in the
+# package's ``clock.py``, which this module may not import: read once at import and carried
+# forward on the boot clock. A note's time is compared with a capture's start on that clock.
+_boottime = functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+_WALL_AT_IMPORT = time.time() - _boottime()
+
+
+def _wall() -> float:
+    return _WALL_AT_IMPORT + _boottime()
 
 
 def dump_path(dump_dir: str, pid: int) -> str:
@@ -62,7 +73,7 @@ def child_note(text: str) -> None:
     dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
     if not dump_dir:
         return
-    line = f"{time.time():.3f} " + " ".join(text.split())[:1000] + "\n"
+    line = f"{_wall():.3f} " + " ".join(text.split())[:1000] + "\n"
     try:
         fd = os.open(
             notes_path(dump_dir, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
@@ -402,9 +413,7 @@ def _wrap_init(module: object) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: object, **kwargs: object) -> object:
-        import time
-
-        _Registration.group_since_ns = time.time_ns()
+        _Registration.group_since_ns = int(_wall() * 1e9)
         result = init(*args, **kwargs)
         start_collectives_listener()
         return result

@@ -7,11 +7,10 @@ import math
 import os
 import pickle
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from .. import devices
+from .. import clock, devices
 from ..exceptions import add_note
 from . import client, jobs
 from .child import LINGER_ENV
@@ -97,7 +96,7 @@ class TorchHang:
             return float(timeout)
         deadline = self._deadline()  # read now: the test's deadline may have moved
         if deadline is not None:
-            return max(deadline - time.monotonic() - MARGIN_S, 0.1)
+            return max(deadline - clock.monotonic() - MARGIN_S, 0.1)
         return DEFAULT_TIMEOUT_S
 
     @contextlib.contextmanager
@@ -295,7 +294,7 @@ class TorchHang:
     ) -> list[client.Child]:
         """One child per rank, each with its rank's environment (and leased GPU)."""
         gpus = self._gpus or []
-        store = os.path.join(the_runner.workdir, f"store-{os.getpid()}-{time.monotonic_ns()}")
+        store = os.path.join(the_runner.workdir, f"store-{os.getpid()}-{clock.monotonic_ns()}")
         # gloo would wait 30 minutes by default: bound it, just past our own deadline, so the
         # plugin (which reports every rank's stack) decides first.
         pg_timeout = seconds + 5.0
