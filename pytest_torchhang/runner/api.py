@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from .. import clock, devices
+from .. import clock, devices, settings
 from ..exceptions import add_note
 from . import client, jobs
 from .child import LINGER_ENV
@@ -91,8 +91,12 @@ class TorchHang:
                 or not isinstance(timeout, (int, float))
                 or not math.isfinite(timeout)
                 or timeout <= 0
+                or timeout > settings.MAX_SECONDS
             ):
-                raise ValueError(f"{name} must be a number of seconds > 0, got {timeout!r}")
+                raise ValueError(
+                    f"{name} must be a number of seconds > 0 and {settings.LONGEST}, "
+                    f"got {timeout!r}"
+                )
             return float(timeout)
         deadline = self._deadline()  # read now: the test's deadline may have moved
         if deadline is not None:
