@@ -100,7 +100,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="torch_hang_native",
         action="store_true",
         default=False,
-        help="Add native stacks through py-spy where installed and permitted",
+        help="Add native stacks through pystack (or else py-spy) where installed and permitted",
     )
     parser.addini(
         settings.TIMEOUT_INI, "Seconds before a test counts as hung (0 = off)", default=""
@@ -114,7 +114,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         # a string checked by the plugin: pytest's own "bool" type fails without naming the key
         settings.NATIVE_INI,
-        "Add native stacks through py-spy (true/false)",
+        "Add native stacks through pystack or py-spy (true/false)",
         default="",
     )
 
