@@ -74,9 +74,7 @@ def parse_timeout(value: object, source: str, off: str = "the guard") -> float:
             f"{source} must be a finite number of seconds >= 0 (0 turns {off} off), got {value!r}"
         )
     if seconds > MAX_SECONDS:
-        raise pytest.UsageError(
-            f"{source} must be {LONGEST}; 0 turns {off} off; got {value!r}"
-        )
+        raise pytest.UsageError(f"{source} must be {LONGEST}; 0 turns {off} off; got {value!r}")
     return seconds
 
 
