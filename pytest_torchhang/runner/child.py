@@ -91,6 +91,7 @@ def _arm_progress_and_stress() -> None:
     """What the start-up hook does in fresh interpreters, for this forked one: progress beats
     when the test has stall detection, the hunt's stress when asked for."""
     if os.environ.get(beats.PROGRESS_ENV):
+        beats.look_again()  # the zygote looked when it started, maybe in another test
         beats.install()
     if os.environ.get("PYTEST_TORCH_HANG_STRESS"):
         import random
