@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from . import clock, settings
+from . import settings
 
 if TYPE_CHECKING:
     from .hunt import HuntPlugin
@@ -499,6 +499,7 @@ class _PerTestHooks:
         item_settings = pyfuncitem.stash.get(_ITEM_SETTINGS, None)
         if item_settings is None or not item_settings.isolate:
             return None
+        from . import clock
         from .runner import api
 
         funcargs = _own_arguments(pyfuncitem)
