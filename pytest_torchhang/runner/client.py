@@ -467,13 +467,11 @@ def stop(runner: Runner, children: list[Child]) -> None:
 
 
 def _reap(runner: Runner, children: list[Child]) -> None:
+    # Polled on the plugin's clock: Popen.wait and Process.join count their timeouts on a clock
+    # a test may have frozen (freezegun replaces subprocess's bound monotonic; a monkeypatched
+    # time.monotonic stops multiprocessing's), and would then wait for ever.
     deadline = clock.monotonic() + 2.0
     for child in children:
-        if child.popen is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.popen.wait(timeout=max(deadline - clock.monotonic(), 0.01))
-        if child.mp_process is not None:
-            child.mp_process.join(timeout=max(deadline - clock.monotonic(), 0.01))
         while not runner.poll(child) and clock.monotonic() < deadline:
             clock.sleep(0.005)
 
