@@ -145,3 +145,62 @@ def test_pytest_timeout_s_value_too_long_for_a_timed_wait_leaves_the_guard_worki
     assert_hang(session, "test_hangs", "*threading.Event().wait()*")
     assert "the watchdog failed" not in text, text[-6000:]
     session.assert_clean()
+
+
+CALLS = """
+import threading
+import time
+
+import freezegun
+import pytest
+
+REAL_MONOTONIC = time.monotonic
+TOOLS = ["monotonic-plus-1000", "monotonic-frozen-at-0", "freezegun-frozen"]
+
+
+def block():
+    threading.Event().wait()
+
+
+@pytest.fixture
+def patched_clock(request, monkeypatch):
+    if request.param == "monotonic-plus-1000":
+        monkeypatch.setattr(time, "monotonic", lambda: REAL_MONOTONIC() + 1000.0)
+        yield
+    elif request.param == "monotonic-frozen-at-0":
+        monkeypatch.setattr(time, "monotonic", lambda: 0.0)
+        yield
+    else:
+        with freezegun.freeze_time("2001-01-01"):
+            yield
+
+
+@pytest.mark.parametrize("patched_clock", TOOLS, indirect=True)
+def test_call_passes(patched_clock, torch_hang):
+    assert torch_hang.run(time.sleep, 0.5, timeout=3) is None
+
+
+@pytest.mark.parametrize("patched_clock", TOOLS, indirect=True)
+def test_call_hangs(patched_clock, torch_hang):
+    torch_hang.run(block, timeout=2)
+"""
+
+
+def test_a_fixture_call_under_a_patched_clock_keeps_its_own_timeout(
+    guarded: GuardedRunner,
+) -> None:
+    """The runner's waits (for the child, its outcome, its reaping) count on the plugin's clock."""
+    guarded.monkeypatch.setenv("PYTEST_TORCH_HANG_ZYGOTE_PRELOAD", "")  # no torch: a fast start
+    guarded.pytester.makepyfile(test_calls=CALLS)
+    session = guarded.run("-v", "-p", "no:randomly", timeout=30, wait_s=180)
+    text = session.text
+    assert "session stopped" not in text and "holding the GIL" not in text, text[-6000:]
+    session.result.assert_outcomes(passed=3, failed=3)
+    for tool in ("monotonic-plus-1000", "monotonic-frozen-at-0", "freezegun-frozen"):
+        assert f"test_calls.py::test_call_passes[{tool}] PASSED" in text, tool
+        report = assert_hang(session, f"test_call_hangs[{tool}]", "*threading.Event().wait()*")
+        headline = next(line for line in report.splitlines() if line.startswith("HANG after"))
+        match = _ELAPSED.match(headline)
+        assert match and 2.0 - 0.05 <= float(match.group(1)) <= 2.0 + LATE_S, headline
+    assert session.wall_s < 3 * (0.5 + 2.0 + LATE_S) + 20, session.wall_s
+    session.assert_clean()
