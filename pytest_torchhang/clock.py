@@ -10,8 +10,8 @@ every loaded module at ``start()`` and replaces each attribute that *is* the rea
 name here is a ``functools.partial`` of the real function, which that walk does not recognise; a
 call goes from C to C, with no Python frame. time-machine rewrites the C functions behind wall
 time (``time.time``, ``clock_gettime(CLOCK_REALTIME)``) in place, which no binding escapes: wall
-time is therefore read once, at import, and carried forward on the boot clock, which neither tool
-touches (and which, unlike the monotonic clock, counts a suspend of the machine).
+time is therefore checked against its last trusted reading carried forward on the boot clock,
+which neither tool touches (and which, unlike the monotonic clock, counts a suspend).
 """
 
 from __future__ import annotations
@@ -29,14 +29,29 @@ sleep: Callable[[float], None] = functools.partial(_time.sleep)
 
 #: Seconds on the boot clock (the monotonic clock plus the time the machine was suspended).
 boottime: Callable[[], float] = functools.partial(_time.clock_gettime, _time.CLOCK_BOOTTIME)
-_WALL_AT_IMPORT = _time.time()
-_BOOT_AT_IMPORT = boottime()
+_realtime: Callable[[], float] = functools.partial(_time.time)  # time-machine reaches this one
+#: (wall time, boot clock) read together: the last moment the host's wall clock was trusted.
+_anchor = (_time.time(), boottime())
+#: A wall clock further than this from the anchor carried forward was moved by a test.
+_MOVED_S = 1.0
 
 
 def wall() -> float:
-    """Seconds since the epoch, as the host's clock read them when this module was imported
-    plus the boot clock's seconds since (time-machine cannot travel it; see the module's text)."""
-    return _WALL_AT_IMPORT + (boottime() - _BOOT_AT_IMPORT)
+    """Seconds since the epoch, out of reach of a test that moves wall time.
+
+    The host's wall clock while it agrees (within a second) with the last trusted reading
+    carried forward on the boot clock, which then moves on with it (NTP's slow corrections);
+    else (time-machine moved it, or a frozen test patched it) that reading carried forward.
+    """
+    global _anchor
+    wall_then, boot_then = _anchor
+    now = boottime()
+    carried = wall_then + (now - boot_then)
+    host = _realtime()
+    if abs(host - carried) < _MOVED_S:
+        _anchor = (host, now)  # one tuple: whole to every thread
+        return host
+    return carried
 
 
 def wall_ns() -> int:

@@ -22,15 +22,25 @@ DUMP_DIR_ENV = "PYTEST_TORCH_HANG_DUMP_DIR"
 #: signal, so it does not collide with SIGUSR1/SIGUSR2 handlers that training code installs.
 DUMP_SIGNAL = signal.SIGRTMIN + 5
 
-# Wall time out of reach of a test's patches of ``time`` (freezegun, time-machine), as in the
-# package's ``clock.py``, which this module may not import: read once at import and carried
-# forward on the boot clock. A note's time is compared with a capture's start on that clock.
+# Wall time out of reach of a test's patches of ``time`` (freezegun, time-machine), as the
+# package's ``clock.wall`` reads it (this module may not import the package): the host's while
+# it agrees with its last trusted reading carried on the boot clock, else that reading carried.
+# A note's time is compared with a capture's start.
 _boottime = functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
-_WALL_AT_IMPORT = time.time() - _boottime()
+_realtime = functools.partial(time.time)
+_anchor = (time.time(), _boottime())
 
 
 def _wall() -> float:
-    return _WALL_AT_IMPORT + _boottime()
+    global _anchor
+    wall_then, boot_then = _anchor
+    now = _boottime()
+    carried = wall_then + (now - boot_then)
+    host = _realtime()
+    if abs(host - carried) < 1.0:
+        _anchor = (host, now)
+        return host
+    return carried
 
 
 def dump_path(dump_dir: str, pid: int) -> str:

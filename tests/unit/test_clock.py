@@ -97,11 +97,13 @@ def test_freezegun_does_not_reach_the_clock() -> None:
 
 def test_time_machine_does_not_reach_the_clock() -> None:
     time_machine = pytest.importorskip("time_machine")
-    wall_before = clock.wall()
+    wall_before, boot_before = clock.wall(), clock.boottime()
     with time_machine.travel(0.0, tick=False):
         assert time.time() < 1.0
         clock.sleep(0.01)
         assert clock.wall() - wall_before >= 0.01
+        assert abs(clock.wall() - (wall_before + clock.boottime() - boot_before)) < 0.1
+    assert abs(clock.wall() - time.time()) < 0.01  # the host's again, once the test is done
 
 
 def _no_sleep(seconds: float) -> None:
