@@ -53,6 +53,7 @@ HOT = (
     "pytest_torchhang",
     "pytest_torchhang.plugin",
     "pytest_torchhang.settings",
+    "pytest_torchhang.clock",
     "pytest_torchhang.session",
     "pytest_torchhang.deadline",
     "pytest_torchhang.watchdog",

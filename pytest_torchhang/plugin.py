@@ -14,7 +14,6 @@ import math
 import os
 import sys
 import threading
-import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
@@ -109,7 +108,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="torch_hang_native",
         action="store_true",
         default=False,
-        help="Add native stacks through py-spy where installed and permitted",
+        help="Add native stacks through pystack (or else py-spy) where installed and permitted",
     )
     parser.addini(
         settings.TIMEOUT_INI, "Seconds before a test counts as hung (0 = off)", default=""
@@ -123,7 +122,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         # a string checked by the plugin: pytest's own "bool" type fails without naming the key
         settings.NATIVE_INI,
-        "Add native stacks through py-spy (true/false)",
+        "Add native stacks through pystack or py-spy (true/false)",
         default="",
     )
 
@@ -591,13 +590,14 @@ class _PerTestHooks:
         item_settings = pyfuncitem.stash.get(_ITEM_SETTINGS, None)
         if item_settings is None or not item_settings.isolate:
             return None
+        from . import clock
         from .runner import api
 
         funcargs = _own_arguments(pyfuncitem)
         held = pyfuncitem.stash.get(self._key, None)
         due = held.deadline if held is not None else math.inf
         timeout = (
-            max(due - time.monotonic() - api.MARGIN_S, 0.1)
+            max(due - clock.monotonic() - api.MARGIN_S, 0.1)
             if due < math.inf
             else api.DEFAULT_TIMEOUT_S
         )

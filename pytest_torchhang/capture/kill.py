@@ -8,12 +8,12 @@ import os
 import re
 import signal
 import sys
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import psutil
 
+from .. import clock
 from . import loader_sigchld, procfs
 from .target import Births
 from .tree import (
@@ -70,9 +70,9 @@ def kill_tree(
     ``before`` (and its descendants) is never signalled. Bounded by ``budget_s``.
     """
     kill = _TreeKill(root_pid, set(exclude), include_root, spare_root_helpers, before)
-    deadline = time.monotonic() + budget_s
+    deadline = clock.monotonic() + budget_s
     stable_rounds = 0
-    while time.monotonic() < deadline:
+    while clock.monotonic() < deadline:
         targets, grew = kill.list_targets()
         kill.freeze(targets)
         if grew and stable_rounds < 20:
@@ -82,8 +82,8 @@ def kill_tree(
         kill.end_graceful()
         if not targets and not kill.graceful:
             break
-        time.sleep(0.02 if targets else 0.05)
-    return kill.finish(min(deadline, time.monotonic() + SETTLE_S))
+        clock.sleep(0.02 if targets else 0.05)
+    return kill.finish(min(deadline, clock.monotonic() + SETTLE_S))
 
 
 @dataclass
@@ -141,7 +141,7 @@ class _TreeKill:
             self.spared[proc.pid] = ident
             return None
         if kind in TRACKER_GRACE_S and proc.pid != self.root_pid:
-            self.graceful[proc.pid] = (ident, time.monotonic() + TRACKER_GRACE_S[kind])
+            self.graceful[proc.pid] = (ident, clock.monotonic() + TRACKER_GRACE_S[kind])
             return None
         self.seen[proc.pid] = ident
         return ident
@@ -160,7 +160,7 @@ class _TreeKill:
 
     def end_graceful(self) -> None:
         """Helpers that had a grace: gone by themselves, spared, or killed once it is over."""
-        now = time.monotonic()
+        now = clock.monotonic()
         for pid, (ident, give_up) in list(self.graceful.items()):
             if not _alive(ident):
                 del self.graceful[pid]
@@ -183,9 +183,9 @@ class _TreeKill:
         # left the tree meanwhile, reparented when its parent died, is no longer listed). Give
         # the killed a bounded moment to die before calling any of them a survivor.
         while (alive := [i for i in self.seen.values() if _alive(i)]) and (
-            time.monotonic() < settle_until
+            clock.monotonic() < settle_until
         ):
-            time.sleep(0.01)
+            clock.sleep(0.01)
         result.survivors = alive
         result.reaped = reap(result.killed)
         return result
@@ -228,8 +228,8 @@ def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
         for pid in owned_by_objects() & set(pending):
             del pending[pid]
     reaped: dict[int, int] = {}
-    deadline = time.monotonic() + timeout_s
-    while pending and time.monotonic() < deadline:
+    deadline = clock.monotonic() + timeout_s
+    while pending and clock.monotonic() < deadline:
         for pid in list(pending):
             try:
                 got, status = os.waitpid(pid, os.WNOHANG)
@@ -240,7 +240,7 @@ def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
                 reaped[pid] = os.waitstatus_to_exitcode(status)
                 del pending[pid]
         if pending:
-            time.sleep(0.01)
+            clock.sleep(0.01)
     return reaped
 
 
@@ -301,7 +301,7 @@ def _open_anywhere(names: set[str]) -> set[str]:
     used: set[str] = set()
     # Every process of the machine: one stuck in state D must not hang the cleanup (its maps are
     # then unknown, and so is whether it uses a segment: all are kept).
-    reader = procfs.ProcReader(deadline=time.monotonic() + 2.0, skip_disk_sleep=False)
+    reader = procfs.ProcReader(deadline=clock.monotonic() + 2.0, skip_disk_sleep=False)
     for pid_dir in os.listdir("/proc"):
         if not pid_dir.isdigit():
             continue

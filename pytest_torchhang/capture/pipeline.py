@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from dataclasses import dataclass
 
 import psutil
 
+from .. import clock
 from ..diagnosis import engine
 from ..diagnosis.roles import BUSY_CPU_S
 from ..inject.hook import STDERR_KEEP_BYTES, notes_path, role_path, stderr_path
@@ -166,7 +166,7 @@ def _roles(dump_dir: str | None, pids: list[int]) -> dict[int, str]:
 
 def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> HangReport:
     """Snapshot the tree and take every process's stacks; kills nothing."""
-    t0 = time.monotonic()
+    t0 = clock.monotonic()
     elapsed = t0 - target.started  # when the hang was declared, whatever the capture costs
     # Every read of /proc that can block (a process in state D) is bounded, and all of them by
     # the capture's budget: what is not read in time becomes a note.
@@ -177,7 +177,7 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     # continues stopped processes, which may then move on, or exit.
     seen = _before_signals(target, procs, skip_threads, reader, t0)
     dumps = _take_stacks(target, procs, seen.own_stacks)
-    time.sleep(max(0.0, 0.1 - (time.monotonic() - t0)))  # a CPU sample needs a little time
+    clock.sleep(max(0.0, 0.1 - (clock.monotonic() - t0)))  # a CPU sample needs a little time
     reports = [
         _with_dump(
             p,
@@ -197,7 +197,7 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
         notes += _add_native(target, reports)
     else:
         _read_from_outside(reports)
-    began = time.time() - (time.monotonic() - target.started)
+    began = clock.wall() - (clock.monotonic() - target.started)
     # Before the diagnosis, which may read them: a traceback there often says the cause.
     fill_stderr_tails(target.dump_dir, reports, began)
     gone = gone_stderr_tails(target.dump_dir, {r.pid for r in reports}, began)
@@ -208,7 +208,7 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     report.processes += context_facts
     report.notes += reader.notes()
     report.notes += child_notes(target.dump_dir, report.processes, began)
-    report.capture_s = time.monotonic() - t0
+    report.capture_s = clock.monotonic() - t0
     return report
 
 
@@ -236,7 +236,7 @@ def _second_look(reports: list[ProcessReport]) -> None:
     }
     if not first:
         return
-    time.sleep(SECOND_LOOK_S)
+    clock.sleep(SECOND_LOOK_S)
     for report in reports:
         before = first.get(report.pid)
         now = procfs.stat(report.pid) if before else None
@@ -278,7 +278,7 @@ def _before_signals(
     own_stacks = None
     if _reads_itself(target):
         own_stacks = in_process_threads(skip_threads)  # as the kernel saw them, before any signal
-    now = time.time()
+    now = clock.wall()
     facts = {p.pid: _facts(p, now, Dump(""), cpu_before.get(p.pid, 0.0), reader) for p in procs}
     return _Observed(own, cpu_before, evidence, own_stacks, now, facts)
 
@@ -311,7 +311,7 @@ def _add_waits(
     """The wait-for evidence and the ranks' collectives into the reports; returns notes."""
     # Ranks' flight recorders after the CPU sample: answering costs them a little CPU.
     asked = collectives.request_collectives([r.pid for r in reports], target.dump_dir)
-    fr_wait = max(0.3, target.capture_budget_s - (time.monotonic() - t0))
+    fr_wait = max(0.3, target.capture_budget_s - (clock.monotonic() - t0))
     return attach.attach(
         reports, evidence, collectives.collect_collectives(asked, target.dump_dir, fr_wait)
     )
@@ -533,7 +533,7 @@ def _read_from_outside(reports: list[ProcessReport]) -> None:
 
 def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
     """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
-    started = time.monotonic()
+    started = clock.monotonic()
     if target.roots is None:
         result = kill_tree(
             target.root_pid,
@@ -553,7 +553,7 @@ def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
         report.spared = [p.pid for p in result.spared]
         report.survivors = [p.pid for p in result.survivors]
         report.shm_removed = result.shm_removed
-        report.kill_s = time.monotonic() - started
+        report.kill_s = clock.monotonic() - started
     return result
 
 

@@ -6,10 +6,11 @@ import contextlib
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
+
+from .. import clock
 
 T = TypeVar("T")
 
@@ -117,7 +118,7 @@ _CHILDREN_FILES_SEEN: bool | None = None  # a kernel fact: read once
 
 def ppid_table(budget_s: float = SCAN_BUDGET_S) -> dict[int, list[int]]:
     """parent pid -> child pids, from one pass over /proc/*/stat (bounded by ``budget_s``)."""
-    deadline = time.monotonic() + budget_s
+    deadline = clock.monotonic() + budget_s
     table: dict[int, list[int]] = {}
     try:
         names = os.listdir("/proc")
@@ -126,7 +127,7 @@ def ppid_table(budget_s: float = SCAN_BUDGET_S) -> dict[int, list[int]]:
     for name in names:
         if not name.isdigit():
             continue
-        if time.monotonic() > deadline:
+        if clock.monotonic() > deadline:
             break
         info = stat(int(name))
         if info is not None:
@@ -403,7 +404,7 @@ class ProcReader:
     is where the per-process directories are (/proc; a test points it elsewhere).
     """
 
-    deadline: float | None = None  # time.monotonic()
+    deadline: float | None = None  # clock.monotonic()
     timeout_s: float = READ_TIMEOUT_S
     skip_disk_sleep: bool = True
     root: str = "/proc"
@@ -426,7 +427,7 @@ class ProcReader:
     def _limit(self) -> float:
         if self.deadline is None:
             return self.timeout_s
-        return min(self.timeout_s, self.deadline - time.monotonic())
+        return min(self.timeout_s, self.deadline - clock.monotonic())
 
     def _call(self, pid: int, what: str, path: str, fn: Callable[[], T]) -> T | None:
         reason = self._skip(pid)

@@ -7,6 +7,7 @@ loads it by path in every interpreter a guarded test starts, before any user cod
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import signal
 import time
@@ -20,6 +21,26 @@ DUMP_DIR_ENV = "PYTEST_TORCH_HANG_DUMP_DIR"
 #: The signal a guarded process answers by writing the stacks of all its threads. A real-time
 #: signal, so it does not collide with SIGUSR1/SIGUSR2 handlers that training code installs.
 DUMP_SIGNAL = signal.SIGRTMIN + 5
+
+# Wall time out of reach of a test's patches of ``time`` (freezegun, time-machine), as the
+# package's ``clock.wall`` reads it (this module may not import the package): the host's while
+# it agrees with its last trusted reading carried on the boot clock, else that reading carried.
+# A note's time is compared with a capture's start.
+_boottime = functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+_realtime = functools.partial(time.time)
+_anchor = (time.time(), _boottime())
+
+
+def _wall() -> float:
+    global _anchor
+    wall_then, boot_then = _anchor
+    now = _boottime()
+    carried = wall_then + (now - boot_then)
+    host = _realtime()
+    if abs(host - carried) < 1.0:
+        _anchor = (host, now)
+        return host
+    return carried
 
 
 def dump_path(dump_dir: str, pid: int) -> str:
@@ -62,7 +83,7 @@ def child_note(text: str) -> None:
     dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
     if not dump_dir:
         return
-    line = f"{time.time():.3f} " + " ".join(text.split())[:1000] + "\n"
+    line = f"{_wall():.3f} " + " ".join(text.split())[:1000] + "\n"
     try:
         fd = os.open(
             notes_path(dump_dir, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
@@ -402,9 +423,7 @@ def _wrap_init(module: object) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: object, **kwargs: object) -> object:
-        import time
-
-        _Registration.group_since_ns = time.time_ns()
+        _Registration.group_since_ns = int(_wall() * 1e9)
         result = init(*args, **kwargs)
         start_collectives_listener()
         return result

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .. import clock
 
 #: Version of the JSON document written per hang; bump on incompatible changes.
 SCHEMA_VERSION = 1
@@ -264,7 +265,7 @@ class HangReport:
     shm_removed: list[str] = field(default_factory=list)
     capture_s: float = 0.0
     kill_s: float = 0.0  # from the start of the kill to a dead, reaped tree
-    created: float = field(default_factory=time.time)
+    created: float = field(default_factory=clock.wall)
     notes: list[str] = field(default_factory=list)
     kind: str = "hang"  # "hang": past its deadline; "stall": no progress for the stall time
     progress: dict[str, Any] = field(default_factory=dict)  # a stall's progress, bounded
