@@ -18,8 +18,8 @@ from ..diagnosis import engine
 from ..diagnosis.roles import BUSY_CPU_S
 from ..inject.hook import STDERR_KEEP_BYTES, notes_path, role_path, stderr_path
 from ..report.model import HangReport, ProcessReport, Role, StderrTail, ThreadStack
-from . import attach, collectives, procfs, waitgraph
-from .kill import KillResult, cleanup_shm, kill_tree
+from . import attach, collectives, leftovers, procfs, waitgraph
+from .kill import KillResult, kill_tree
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
 from .tree import ProcessId, helper_kind, is_zombie, split_descendants
@@ -547,7 +547,7 @@ def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
             _add_kill(result, target, root)
     for root in target.extra_roots:
         _add_kill(result, target, root)
-    result.shm_removed = cleanup_shm(target.shm_since, [p.pid for p in result.killed])
+    result.shm_removed = _remove_leftovers(target, result)
     if report is not None:
         report.killed = [p.pid for p in result.killed]
         report.spared = [p.pid for p in result.spared]
@@ -557,6 +557,21 @@ def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
     return result
 
 
+def _remove_leftovers(target: CaptureTarget, result: KillResult) -> list[str]:
+    """/dev/shm segments and $TMPDIR listeners that the killed processes made or held."""
+    since = target.shm_since or time.time() - (time.monotonic() - target.started)
+    living = [p.pid for p in result.spared]
+    keep_dirs: list[str] | None = []
+    root_lives = target.roots is not None or not target.kill_root
+    if root_lives:
+        living.append(target.root_pid)
+        # a live root's multiprocessing temp dir is its own; one of another process is unknown
+        own = leftovers.own_mp_tempdir()
+        keep_dirs = ([own] if own else []) if target.root_pid == os.getpid() else None
+    killed = [p.pid for p in result.killed]
+    return leftovers.remove(result.held, killed, since, living, keep_dirs)
+
+
 def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
     """Kill ``root`` and its tree (runner children: the root too, and its helpers) into ``result``."""
     part = kill_tree(root, exclude=target.exclude, include_root=True, spare_root_helpers=False)
@@ -564,3 +579,4 @@ def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
     result.spared += part.spared
     result.survivors += part.survivors
     result.reaped.update(part.reaped)
+    result.held += part.held

@@ -261,7 +261,7 @@ class HangReport:
     killed: list[int] = field(default_factory=list)
     spared: list[int] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)
-    shm_removed: list[str] = field(default_factory=list)
+    shm_removed: list[str] = field(default_factory=list)  # /dev/shm names; temp-dir paths
     capture_s: float = 0.0
     kill_s: float = 0.0  # from the start of the kill to a dead, reaped tree
     created: float = field(default_factory=time.time)
@@ -316,8 +316,15 @@ class HangReport:
             )
         if self.survivors:
             parts.append(f"COULD NOT KILL {self.survivors}")
-        if self.shm_removed:
-            parts.append(f"removed {len(self.shm_removed)} /dev/shm segment(s)")
+        # /dev/shm names are bare; what went from $TMPDIR (a Manager's listener) is a path
+        segments = [name for name in self.shm_removed if "/" not in name]
+        if segments:
+            parts.append(f"removed {len(segments)} /dev/shm segment(s)")
+        if len(segments) < len(self.shm_removed):
+            parts.append(
+                f"removed {len(self.shm_removed) - len(segments)} multiprocessing listener "
+                "socket(s) and dir(s) from the temp dir"
+            )
         return (
             "cleanup: "
             + "; ".join(parts)
