@@ -45,14 +45,12 @@ _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
 #: How long the CPU of every process is sampled, before any signal is sent: answering the dump
 #: signal (and the flight recorder's request) costs a process CPU that is not the test's.
 CPU_SAMPLE_S = 0.1
-#: The kernel names of the plugin's own threads (watchdog, launcher, /proc reader, flight-recorder
-#: listener) start so: their CPU is not the test's, wherever the capture reads it from.
-PLUGIN_THREAD_PREFIX = THREAD_PREFIX
 
 
 def cpu_s(pid: int, skip_tids: set[int] | None = None) -> float | None:
-    """CPU seconds of ``pid``'s threads, the plugin's own and ``skip_tids`` (the capture's) left
-    out; None when it is gone."""
+    """CPU seconds of ``pid``'s threads, the plugin's own (kernel name ``torchhang-*``: the
+    watchdog, the launcher, the /proc reader, a flight-recorder listener) and ``skip_tids`` (the
+    capture's) left out; None when it is gone."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -63,7 +61,7 @@ def cpu_s(pid: int, skip_tids: set[int] | None = None) -> float | None:
         if skip_tids and tid in skip_tids:
             continue
         stat = procfs.stat(pid, tid)
-        if stat is not None and not stat.comm.startswith(PLUGIN_THREAD_PREFIX):
+        if stat is not None and not stat.comm.startswith(THREAD_PREFIX):
             ticks += stat.cpu_ticks
     return ticks / procfs.TICKS
 
