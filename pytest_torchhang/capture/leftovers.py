@@ -7,7 +7,7 @@ only those are removed, each after its inode is checked again, plus torch's ``to
 segments of killed pids (their names carry the pid that made them). Nothing else of the host is
 listed or read: another program's segment, handed over by name and open by nobody, stays.
 
-``held``, ``shm_to_unlink`` and ``sockets_to_remove`` are pure, so the rules are tested on
+The parsers, ``shm_to_unlink`` and ``sockets_to_remove`` are pure, so the rules are tested on
 recorded listings; ``read_holding`` and ``remove`` do the I/O.
 """
 
@@ -110,18 +110,35 @@ def sockets_to_remove(
 # --- reading a process (before the kill) ---------------------------------------------------------
 
 
-def unix_sockets(pid: int) -> dict[int, str]:
-    """Bound unix sockets of ``pid``'s network namespace: socket inode -> path."""
-    raw = procfs.read(f"/proc/{pid}/net/unix", 8 << 20) or b""
+def parse_unix_sockets(text: str) -> dict[int, str]:
+    """``/proc/net/unix``: socket inode -> path, for sockets bound to a path."""
     out: dict[int, str] = {}
-    for line in raw.decode(errors="replace").splitlines()[1:]:
+    for line in text.splitlines()[1:]:
         fields = line.split(None, 7)
         if len(fields) == 8 and fields[6].isdigit() and fields[7].startswith("/"):
             out[int(fields[6])] = fields[7]
     return out
 
 
-def _listener(path: str) -> bool:
+def shm_inodes_in_maps(text: str) -> set[int]:
+    """Inodes of the /dev/shm files mapped in ``/proc/PID/maps`` (a semaphore's shows the
+    temporary name glibc made it under, ``(deleted)``: its inode is the one /dev/shm lists)."""
+    inodes = set()
+    for line in text.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].startswith(SHM_DIR + "/") and fields[4].isdigit():
+            inodes.add(int(fields[4]))
+    return inodes
+
+
+def unix_sockets(pid: int) -> dict[int, str]:
+    """Bound unix sockets of ``pid``'s network namespace: socket inode -> path."""
+    raw = procfs.read(f"/proc/{pid}/net/unix", 8 << 20) or b""
+    return parse_unix_sockets(raw.decode(errors="replace"))
+
+
+def is_listener(path: str) -> bool:
+    """A multiprocessing listener's socket (``.../pymp-XXXX/listener-XXXX``)."""
     parent, name = os.path.split(path)
     return name.startswith(LISTENER_PREFIX) and os.path.basename(parent).startswith(
         LISTENER_DIR_PREFIX
@@ -133,12 +150,8 @@ def read_holding(
 ) -> Holding:
     """What ``pid`` maps and has open now (``sockets``: from ``unix_sockets``). Bounded: a
     process whose maps cannot be read in time is known by its open files only."""
-    inodes: set[int] = set()
     maps = reader.file(pid, "maps", 16 << 20) or b""
-    for line in maps.decode(errors="replace").splitlines():
-        fields = line.split(None, 5)
-        if len(fields) == 6 and fields[5].startswith(SHM_DIR + "/") and fields[4].isdigit():
-            inodes.add(int(fields[4]))
+    inodes = shm_inodes_in_maps(maps.decode(errors="replace"))
     listeners: set[tuple[str, int]] = set()
     base = f"/proc/{pid}/fd"
     with contextlib.suppress(OSError):
@@ -148,7 +161,7 @@ def read_holding(
                 if link.startswith(SHM_DIR + "/"):
                     inodes.add(os.stat(f"{base}/{fd}").st_ino)
                 elif link.startswith("socket:[") and (path := sockets.get(int(link[8:-1]))):
-                    if _listener(path):
+                    if is_listener(path):
                         listeners.add((path, os.lstat(path).st_ino))
     return Holding(pid, started, frozenset(inodes), frozenset(listeners))
 

@@ -5,9 +5,30 @@ from __future__ import annotations
 from pytest_torchhang.capture.leftovers import (
     Holding,
     ShmEntry,
+    is_listener,
+    parse_unix_sockets,
+    shm_inodes_in_maps,
     shm_to_unlink,
     sockets_to_remove,
 )
+
+#: Read from a real process that made a shared_memory segment and a spawn-context Lock
+#: (glibc's sem_open maps a temporary name, then renames it: the map says "(deleted)").
+RECORDED_MAPS = """\
+56194e72a000-56194e72b000 r--p 00000000 fe:00 26723                      /root/.pyenv/versions/3.11.7/bin/python3.11
+7f694e31c000-7f694e31d000 rw-s 00000000 00:1b 2711                       /dev/shm/sem.Yrg44A (deleted)
+7f694e31d000-7f694e31e000 rw-s 00000000 00:1b 2710                       /dev/shm/psm_recorded
+7f694d485000-7f694d488000 rw-p 00000000 00:00 0
+7ffcc01ef000-7ffcc0210000 rw-p 00000000 00:00 0                          [stack]
+"""
+#: /proc/net/unix: a listener on a multiprocessing-style address (recorded), an unbound socket
+#: and an abstract one (the kernel's formats for those, as unix(7) describes them).
+RECORDED_UNIX = """\
+Num       RefCount Protocol Flags    Type St Inode Path
+000000008667e093: 00000002 00000000 00010000 0001 01 176289 /tmp/pymp-21sbdcwo/listener-abc
+0000000012345678: 00000003 00000000 00000000 0001 03 176301
+00000000abcdef12: 00000002 00000000 00010000 0001 01 176302 @/tmp/.X11-unix/X0
+"""
 
 T0 = 1_000.0  # wall time the test began
 WORKER = Holding(
@@ -81,3 +102,17 @@ def test_a_listener_replaced_or_gone_or_of_a_living_process_stays() -> None:
     assert sockets_to_remove([WORKER], {41}, {"/tmp/x/pymp-ab/listener-cd": 9555}) == []
     assert sockets_to_remove([WORKER], {41}, {}) == []
     assert sockets_to_remove([WORKER], {99}, {"/tmp/x/pymp-ab/listener-cd": 9001}) == []
+
+
+def test_the_shm_files_a_process_maps_are_read_by_inode_whatever_their_name() -> None:
+    assert shm_inodes_in_maps(RECORDED_MAPS) == {2710, 2711}
+
+
+def test_bound_unix_sockets_are_read_by_inode_and_abstract_or_unbound_ones_left_out() -> None:
+    assert parse_unix_sockets(RECORDED_UNIX) == {176289: "/tmp/pymp-21sbdcwo/listener-abc"}
+
+
+def test_only_a_listener_in_a_pymp_dir_is_multiprocessings() -> None:
+    assert is_listener("/tmp/pymp-21sbdcwo/listener-abc")
+    assert not is_listener("/tmp/app/listener-abc")
+    assert not is_listener("/tmp/pymp-21sbdcwo/server.sock")
