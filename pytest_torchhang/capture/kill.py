@@ -199,6 +199,21 @@ class _TreeKill:
         return result
 
 
+def remove_leftovers(
+    result: KillResult, since: float | None = None, living: list[int] | None = None
+) -> list[str]:
+    """Remove what the processes ``result`` killed made or held (``leftovers.remove``), the
+    segments and temp dir of ``living`` processes (this one, usually) kept; returns what went."""
+    keep: list[str] | None = []
+    if any(pid != os.getpid() for pid in living or []):
+        keep = None  # another live process's multiprocessing temp dir is not known here
+    elif (own := leftovers.own_mp_tempdir()) is not None:
+        keep = [own]
+    living = [*(living or []), *(p.pid for p in result.spared)]
+    killed = [p.pid for p in result.killed]
+    return leftovers.remove(result.held, killed, since, living, keep)
+
+
 def _alive(ident: ProcessId) -> bool:
     """Whether ``ident`` still runs (a zombie, or a recycled pid, does not)."""
     try:

@@ -18,6 +18,7 @@ import os
 import re
 import stat
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -215,18 +216,21 @@ def own_mp_tempdir() -> str | None:
 def remove(
     holdings: Iterable[Holding],
     killed: Iterable[int],
-    since: float,
+    since: float | None = None,
     living: Iterable[int] = (),
     keep_dirs: Iterable[str] | None = (),
 ) -> list[str]:
     """Remove what the killed processes left (see the module's docstring); returns what went.
 
-    ``living``: processes of the tree that live on (their segments stay theirs); ``keep_dirs``:
-    pymp directories that a living process uses (None: every directory stays, only the killed
-    processes' sockets go).
+    ``since``: when the test began (wall time); None: when the oldest killed process started (a
+    fixture call's children, a session's leftovers). ``living``: processes of the tree that live
+    on (their segments stay theirs); ``keep_dirs``: pymp directories that a living process uses
+    (None: every directory stays, only the killed processes' sockets go).
     """
     holdings = list(holdings)
     dead = set(killed)
+    if since is None:
+        since = min((h.started for h in holdings if h.pid in dead), default=time.time())
     removed: list[str] = []
     kept = held_inodes(living, procfs.ProcReader(skip_disk_sleep=False)) if living else set()
     entries = {e.name: e for e in shm_entries()}

@@ -18,8 +18,8 @@ from ..diagnosis import engine
 from ..diagnosis.roles import BUSY_CPU_S
 from ..inject.hook import STDERR_KEEP_BYTES, THREAD_PREFIX, notes_path, role_path, stderr_path
 from ..report.model import HangReport, ProcessReport, Role, StderrTail, ThreadStack
-from . import attach, collectives, leftovers, procfs, waitgraph
-from .kill import KillResult, kill_tree
+from . import attach, collectives, procfs, waitgraph
+from .kill import KillResult, kill_tree, remove_leftovers
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
 from .tree import ProcessId, helper_kind, is_zombie, split_descendants
@@ -576,18 +576,10 @@ def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
 
 
 def _remove_leftovers(target: CaptureTarget, result: KillResult) -> list[str]:
-    """/dev/shm segments and $TMPDIR listeners that the killed processes made or held."""
-    since = target.shm_since or time.time() - (time.monotonic() - target.started)
-    living = [p.pid for p in result.spared]
-    keep_dirs: list[str] | None = []
+    """/dev/shm segments and temp-dir listeners that the killed processes made or held."""
     root_lives = target.roots is not None or not target.kill_root
-    if root_lives:
-        living.append(target.root_pid)
-        # a live root's multiprocessing temp dir is its own; one of another process is unknown
-        own = leftovers.own_mp_tempdir()
-        keep_dirs = ([own] if own else []) if target.root_pid == os.getpid() else None
-    killed = [p.pid for p in result.killed]
-    return leftovers.remove(result.held, killed, since, living, keep_dirs)
+    # shm_since 0: a fixture call's children, whose leftovers count from the oldest one's start
+    return remove_leftovers(result, target.shm_since or None, [target.root_pid] if root_lives else [])
 
 
 def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
