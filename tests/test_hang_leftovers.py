@@ -11,6 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from conftest import SHM_DIR, TAG_ENV, GuardedRunner, private_shm_supported
 
 HOLDS_A_SEGMENT_AND_A_MANAGER = """
@@ -129,3 +131,53 @@ def test_a_hang_removes_its_trees_segments_and_manager_dir_and_not_another_progr
     finally:
         other.join()
         (SHM_DIR / f"psm_{tag}_outside").unlink(missing_ok=True)  # a machine-wide /dev/shm
+
+
+SHARES_A_TENSOR = """
+import multiprocessing as mp
+import os
+import time
+
+import pytest_torchhang
+
+
+def share_and_hang(conn):
+    import torch
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    tensor = torch.ones(1024).share_memory_()  # a torch_<pid>_* segment, served by a manager
+    conn.send([n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{os.getpid()}_")])
+    time.sleep(1000)
+
+
+def test_hangs_with_a_child_holding_a_torch_segment():
+    parent, child_end = mp.Pipe()
+    child = mp.Process(target=share_and_hang, args=(child_end,))
+    child.start()
+    while not parent.poll(0.05):  # the child imports torch meanwhile: beats keep the stall off
+        pytest_torchhang.progress()
+    names = parent.recv()
+    assert names, "the child made no torch segment"
+    with open("segments", "w") as out:
+        out.write("\\n".join(names))
+    child.join()
+
+
+def test_the_torch_segment_is_gone():
+    names = open("segments").read().split()
+    assert names and not set(names) & set(os.listdir("/dev/shm"))
+"""
+
+
+@pytest.mark.needs_torch
+def test_a_hang_removes_the_torch_segments_of_its_tree(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(test_torch_leftovers=SHARES_A_TENSOR)
+    session = guarded.run("--torch-hang-stall=2", "-p", "no:randomly", timeout=120, grace_s=10)
+    session.result.assert_outcomes(failed=1, passed=1)
+    report = session.report_of("test_hangs_with_a_child_holding_a_torch_segment")
+    assert report.splitlines()[1].startswith("STALL after "), report[:2000]
+    assert "[torch_shm_manager]" in report  # the segment's manager was in the tree
+    names = (guarded.pytester.path / "segments").read_text().split()
+    assert not set(names) & set(session.new_shm)
+    session.assert_clean()
