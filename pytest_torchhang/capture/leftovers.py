@@ -167,11 +167,15 @@ def read_holding(
     return Holding(pid, started, frozenset(inodes), frozenset(listeners))
 
 
-def held_inodes(pids: Iterable[int], reader: procfs.ProcReader) -> set[int]:
-    """The /dev/shm inodes that ``pids`` (processes that live on) map or have open now."""
+def held_inodes(pids: Iterable[int], reader: procfs.ProcReader) -> set[int] | None:
+    """The /dev/shm inodes that ``pids`` (processes that live on) map or have open now; None
+    when the maps of one could not be read in time (then what it uses is unknown)."""
     out: set[int] = set()
     for pid in pids:
+        unread = len(reader.unread)
         out |= read_holding(pid, 0.0, reader, {}).shm_inodes
+        if len(reader.unread) > unread:
+            return None
     return out
 
 
@@ -233,8 +237,10 @@ def remove(
         since = min((h.started for h in holdings if h.pid in dead), default=time.time())
     removed: list[str] = []
     kept = held_inodes(living, procfs.ProcReader(skip_disk_sleep=False)) if living else set()
-    entries = {e.name: e for e in shm_entries()}
-    for name in shm_to_unlink(holdings, dead, entries.values(), since, kept):
+    # kept None: a living process's maps were not read in time, so no segment is known to be
+    # unused: all stay (a segment it maps, unlinked, could not be attached to by name again)
+    entries = {e.name: e for e in shm_entries()} if kept is not None else {}
+    for name in shm_to_unlink(holdings, dead, entries.values(), since, kept or ()):
         if _unlink_if_same(os.path.join(SHM_DIR, name), entries[name].inode):
             removed.append(name)
     present: dict[str, int] = {}
