@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -95,6 +96,10 @@ def _run_another_program(ready: Path, done: Path, name: str, directory: str, out
         done.touch()
 
 
+@pytest.mark.skipif(
+    private_shm_supported() and shutil.which("nsenter") is None,
+    reason="another program in the inner session's own /dev/shm needs nsenter",
+)
 def test_a_hang_removes_its_trees_segments_and_manager_dir_and_not_another_programs(
     guarded: GuardedRunner,
 ) -> None:
