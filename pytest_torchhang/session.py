@@ -287,6 +287,8 @@ class SessionState:
                 described[proc.pid] = " ".join(proc.cmdline())[:200]
         result = kill.kill_tree(me, exclude=own, before=alive - theirs)
         self.leftovers = [f"{p.pid}: {described.get(p.pid, '?')}" for p in result.killed]
+        # what they made and held (a DataLoader worker's resource_sharer listener and pymp dir)
+        kill.remove_leftovers(result, living=[me])
 
     def close(self) -> None:
         if self.subprocess_runner is not None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from . import clock, deadline, processwide
 from .deadline import Action, Decision, Event, Kind, Phase, Source
 from .exceptions import HangError
+from .inject import hook
 from .monitor.client import MonitorClient
 from .processwide import INTERRUPT_SIGNAL
 
@@ -329,8 +330,11 @@ class Watchdog:
         self._told: tuple[int, tuple[float, float] | str | None, int] = (0, None, 0)
         self._stopping = False
         self._preloaded = False  # the cold path, before the first deadline (see PRELOAD_S)
-        self._thread = threading.Thread(target=self._run, name="torch-hang watchdog", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{hook.THREAD_PREFIX}watchdog", daemon=True
+        )
         self._thread.start()
+        hook.name_thread(self._thread)
 
     def arm(self, held: TestDeadline) -> None:
         """Watch ``held`` (the current test's), or look again at it after a change."""

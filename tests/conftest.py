@@ -14,7 +14,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -233,6 +233,8 @@ class Session:
     wall_s: float
     leftovers: list[str]
     new_shm: list[str]
+    #: multiprocessing temp dirs (``pymp-*``: a Manager's listener) left in the session's TMPDIR
+    new_tmp: list[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -241,6 +243,7 @@ class Session:
     def assert_clean(self) -> None:
         assert not self.leftovers, f"processes left running: {self.leftovers}"
         assert not self.new_shm, f"/dev/shm segments left: {self.new_shm}"
+        assert not self.new_tmp, f"multiprocessing temp dirs left in TMPDIR: {self.new_tmp}"
 
     def report_of(self, test_name: str) -> str:
         """The failure text of one test in the FAILURES section."""
@@ -282,6 +285,8 @@ class GuardedRunner:
         extra = [f"--torch-hang-timeout={timeout}"] if timeout is not None else []
         # as runpytest_subprocess does, plus the private /dev/shm and stdin (a debugger needs it)
         basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=self.pytester.path)
+        tmpdir = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())
+        tmp_before = _mp_temp_dirs(tmpdir)
         command = shm.command(
             python, "-mpytest", f"--basetemp={basetemp}", "-p", "no:cacheprovider"
         )
@@ -312,6 +317,7 @@ class GuardedRunner:
                 time.sleep(0.1)
             while (new_shm := shm.new_entries()) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            new_tmp = sorted(_mp_temp_dirs(tmpdir) - tmp_before)
             leftovers = []
             for proc in left:
                 with contextlib.suppress(psutil.Error):
@@ -321,7 +327,15 @@ class GuardedRunner:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
             shm.close()
-        return Session(result, wall, leftovers, new_shm)
+        return Session(result, wall, leftovers, new_shm, new_tmp)
+
+
+def _mp_temp_dirs(directory: Path) -> set[str]:
+    """multiprocessing's temp dirs in ``directory`` (``util.get_temp_dir``: ``pymp-*``)."""
+    try:
+        return {name for name in os.listdir(directory) if name.startswith("pymp-")}
+    except OSError:
+        return set()
 
 
 @pytest.fixture(autouse=True)
@@ -351,8 +365,13 @@ def guarded(
     kept = [p for p in paths if p and not p.endswith(site)]
     if kept != [p for p in paths if p]:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(kept))
+    # A TMPDIR of its own (short: a unix socket's path is at most 107 bytes), so that what an
+    # inner session leaves there is its own; a test may set another.
+    tmpdir = tempfile.mkdtemp(prefix="th-")
+    monkeypatch.setenv("TMPDIR", tmpdir)
     cold = request.node.get_closest_marker("cold_start") is not None
     yield GuardedRunner(pytester, monkeypatch, warm=not cold)
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def assert_hang(session: Session, test_name: str, *expected: str) -> str:

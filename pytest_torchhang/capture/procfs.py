@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 from .. import clock
+from ..inject.hook import THREAD_PREFIX, name_thread
 
 T = TypeVar("T")
 
@@ -301,10 +302,11 @@ class _Readers:
             if self.queue is None:
                 self.queue = queue.SimpleQueue()
                 self.thread = threading.Thread(
-                    target=_serve, args=(self.queue,), name="pytest-torchhang /proc reader",
+                    target=_serve, args=(self.queue,), name=f"{THREAD_PREFIX}proc-reader",
                     daemon=True,
                 )  # fmt: skip
                 self.thread.start()
+                name_thread(self.thread)
             self.queue.put(job)
             return "", self.queue
 
@@ -375,7 +377,9 @@ def call_with_timeout(timeout_s: float, fn: Callable[..., T], *args: object) -> 
     are raised here.
     """
     job = _Job(lambda: fn(*args), getattr(fn, "__name__", "call"))
-    threading.Thread(target=job.run, name="pytest-torchhang bounded call", daemon=True).start()
+    thread = threading.Thread(target=job.run, name=f"{THREAD_PREFIX}bounded-call", daemon=True)
+    thread.start()
+    name_thread(thread)
     if not job.done.wait(timeout_s):
         raise TimeoutError(f"{job.what} did not return within {timeout_s:.1f}s")
     if job.error is not None:

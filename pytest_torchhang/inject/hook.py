@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    import threading
     from collections.abc import Iterable
 
 #: Set by the plugin while a timeout is armed; names the directory for per-process dump files.
@@ -71,6 +72,23 @@ def stderr_path(dump_dir: str, pid: int) -> str:
 def notes_path(dump_dir: str, pid: int) -> str:
     """The file where process ``pid`` appends what the plugin's own code failed to do there."""
     return os.path.join(dump_dir, f"{pid}.notes")
+
+
+#: The plugin's own threads are named so, in Python and in the kernel (``/proc/PID/task/TID/comm``,
+#: cut at 15 bytes), so that a capture from outside leaves them out of the test's CPU.
+THREAD_PREFIX = "torchhang-"
+
+
+def name_thread(thread: threading.Thread) -> None:
+    """Give a started thread of the plugin its Python name in the kernel too (Python before 3.14
+    does not), where a reader from outside sees it."""
+    if thread.native_id is None:
+        return
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/comm", "w") as comm:
+            comm.write(thread.name.encode()[:15].decode(errors="ignore"))
+    except OSError:  # no procfs (another platform), or the thread is gone
+        pass
 
 
 def child_note(text: str) -> None:
@@ -407,10 +425,11 @@ def start_collectives_listener(since_ns: int | None = None) -> bool:
     thread = threading.Thread(
         target=_serve_collectives,
         args=(fifo, collectives_path(dump_dir, pid), since_ns or _Registration.group_since_ns),
-        name="torch-hang flight recorder",
+        name=f"{THREAD_PREFIX}flight-recorder",
         daemon=True,
     )
     thread.start()
+    name_thread(thread)
     _Registration.listener_pid = pid
     return True
 
