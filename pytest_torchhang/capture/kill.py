@@ -71,17 +71,20 @@ def kill_tree(
     kill = _TreeKill(root_pid, set(exclude), include_root, spare_root_helpers, before)
     kill.reader = procfs.ProcReader(deadline=deadline)
     stable_rounds = 0
-    while clock.monotonic() < deadline:
-        targets, grew = kill.list_targets()
-        kill.freeze(targets)
-        if grew and stable_rounds < 20:
-            stable_rounds += 1
-            continue  # list again: a process may have forked before it was frozen
-        kill.kill(targets)
-        kill.end_graceful()
-        if not targets and not kill.graceful:
-            break
-        clock.sleep(0.02 if targets else 0.05)
+    try:
+        while clock.monotonic() < deadline:
+            targets, grew = kill.list_targets()
+            kill.freeze(targets)
+            if grew and stable_rounds < 20:
+                stable_rounds += 1
+                continue  # list again: a process may have forked before it was frozen
+            kill.kill(targets)
+            kill.end_graceful()
+            if not targets and not kill.graceful:
+                break
+            clock.sleep(0.02 if targets else 0.05)
+    finally:
+        kill.resume_forkers()
     return kill.finish(min(deadline, clock.monotonic() + SETTLE_S))
 
 
@@ -100,6 +103,10 @@ class _TreeKill:
     graceful: dict[int, tuple[ProcessId, float]] = field(default_factory=dict)  # give-up time
     spared: dict[int, ProcessId] = field(default_factory=dict)
     reader: procfs.ProcReader = field(default_factory=procfs.ProcReader)
+    #: processes of the tree that are not the test's (a forkserver an earlier test started) but
+    #: forked a target: stopped while the kill runs, so that a Pool's handler thread cannot have
+    #: them fork replacements as fast as they are killed (hundreds in 5 s), continued after
+    paused: dict[int, ProcessId] = field(default_factory=dict)
 
     def list_targets(self) -> tuple[list[psutil.Process], bool]:
         """The tree's processes to kill now, and whether any is new since the last listing."""
@@ -153,11 +160,33 @@ class _TreeKill:
             if proc.pid not in self.stopped and signal_process(self.seen[proc.pid], signal.SIGSTOP):
                 self.stopped.add(proc.pid)
                 frozen.append(self.seen[proc.pid])
+                self._pause_forker(proc)
         if frozen:
             sockets = leftovers.unix_sockets(frozen[0].pid)
             for ident in frozen:
                 held = leftovers.read_holding(ident.pid, ident.create_time, self.reader, sockets)
                 self.result.held.append(held)
+
+    def _pause_forker(self, proc: psutil.Process) -> None:
+        """Stop the parent of ``proc`` while the kill runs when it lives on (a forkserver)."""
+        try:
+            parent = proc.ppid()
+        except psutil.Error:
+            return
+        spare = {self.root_pid, os.getpid(), 0, 1, *self.excluded, *self.seen, *self.paused}
+        if parent in spare or parent in self.graceful:
+            return
+        try:
+            ident = identify([psutil.Process(parent)]).get(parent)
+        except psutil.Error:
+            return
+        if ident is not None and signal_process(ident, signal.SIGSTOP):
+            self.paused[parent] = ident
+
+    def resume_forkers(self) -> None:
+        for ident in self.paused.values():
+            signal_process(ident, signal.SIGCONT)
+        self.paused.clear()
 
     def kill(self, targets: list[psutil.Process]) -> None:
         loader_sigchld.expect_killed(self.seen[proc.pid] for proc in targets)

@@ -92,10 +92,15 @@ def shm_to_unlink(
 
 
 def sockets_to_remove(
-    holdings: Iterable[Holding], killed: Iterable[int], present: Mapping[str, int]
+    holdings: Iterable[Holding],
+    killed: Iterable[int],
+    present: Mapping[str, tuple[int, float]],
+    since: float,
 ) -> list[str]:
-    """Listener sockets of killed processes that are still the files they were (``present``:
-    path -> inode of the socket files there now)."""
+    """Listener sockets of killed processes, bound since ``since`` (wall time the test began),
+    that are still the files they were (``present``: path -> (inode, ctime) of the socket files
+    there now). A listener bound before the test is a fixture's or an earlier test's (a
+    forkserver whose fork for this test still held its socket when it was killed): it stays."""
     dead = set(killed)
     return sorted(
         {
@@ -103,7 +108,9 @@ def sockets_to_remove(
             for h in holdings
             if h.pid in dead
             for path, inode in h.sockets
-            if present.get(path) == inode
+            if path in present
+            and present[path][0] == inode
+            and present[path][1] >= since - _CLOCK_SLACK_S
         }
     )
 
@@ -243,15 +250,15 @@ def remove(
     for name in shm_to_unlink(holdings, dead, entries.values(), since, kept or ()):
         if _unlink_if_same(os.path.join(SHM_DIR, name), entries[name].inode):
             removed.append(name)
-    present: dict[str, int] = {}
+    present: dict[str, tuple[int, float]] = {}
     for path in {p for h in holdings if h.pid in dead for p, _ in h.sockets}:
         with contextlib.suppress(OSError):
             st = os.lstat(path)
             if stat.S_ISSOCK(st.st_mode):
-                present[path] = st.st_ino
+                present[path] = (st.st_ino, st.st_ctime)
     dirs: set[str] = set()
-    for path in sockets_to_remove(holdings, dead, present):
-        if _unlink_if_same(path, present[path]):
+    for path in sockets_to_remove(holdings, dead, present, since):
+        if _unlink_if_same(path, present[path][0]):
             removed.append(path)
             dirs.add(os.path.dirname(path))
     if keep_dirs is None:

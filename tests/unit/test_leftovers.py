@@ -93,15 +93,29 @@ def test_a_torch_segment_older_than_its_pid_is_an_earlier_process_s() -> None:
     assert shm_to_unlink([WORKER], {41}, listing, T0) == []
 
 
+#: when the test began (wall time), for the listeners' ages
+BEGAN = 1_000.0
+
+
 def test_a_killed_listener_that_is_still_its_file_is_removed() -> None:
-    present = {"/tmp/x/pymp-ab/listener-cd": 9001, "/tmp/y/pymp-zz/listener-zz": 9002}
-    assert sockets_to_remove([WORKER], {41}, present) == ["/tmp/x/pymp-ab/listener-cd"]
+    present = {
+        "/tmp/x/pymp-ab/listener-cd": (9001, BEGAN + 1),
+        "/tmp/y/pymp-zz/listener-zz": (9002, BEGAN + 1),
+    }
+    assert sockets_to_remove([WORKER], {41}, present, BEGAN) == ["/tmp/x/pymp-ab/listener-cd"]
 
 
 def test_a_listener_replaced_or_gone_or_of_a_living_process_stays() -> None:
-    assert sockets_to_remove([WORKER], {41}, {"/tmp/x/pymp-ab/listener-cd": 9555}) == []
-    assert sockets_to_remove([WORKER], {41}, {}) == []
-    assert sockets_to_remove([WORKER], {99}, {"/tmp/x/pymp-ab/listener-cd": 9001}) == []
+    path = "/tmp/x/pymp-ab/listener-cd"
+    assert sockets_to_remove([WORKER], {41}, {path: (9555, BEGAN + 1)}, BEGAN) == []
+    assert sockets_to_remove([WORKER], {41}, {}, BEGAN) == []
+    assert sockets_to_remove([WORKER], {99}, {path: (9001, BEGAN + 1)}, BEGAN) == []
+
+
+def test_a_listener_bound_before_the_test_stays_though_a_killed_fork_held_it() -> None:
+    # a forkserver of an earlier test: the worker it forked for this one still held its socket
+    path = "/tmp/x/pymp-ab/listener-cd"
+    assert sockets_to_remove([WORKER], {41}, {path: (9001, BEGAN - 30)}, BEGAN) == []
 
 
 def test_the_shm_files_a_process_maps_are_read_by_inode_whatever_their_name() -> None:
