@@ -65,11 +65,33 @@ def loops_of(snapshot: list[dict[str, Any]]) -> list[EventLoop]:
                 timers=int(doc.get("timers", -1)),
                 fds=int(doc.get("fds", -1)),
                 signal_handlers=int(doc.get("signal_handlers", -1)),
-                tasks=tasks,
+                tasks=tree_order(tasks),
                 tasks_left_out=int(doc.get("tasks_left_out", 0)),
             )
         )
     return loops
+
+
+def tree_order(tasks: list[AsyncTask]) -> list[AsyncTask]:
+    """Tasks as ``pstree`` lists them: each task that no other awaits, then, below it, the
+    tasks it awaits (a task awaited twice, or in a cycle, is listed once)."""
+    by_name = {t.name: t for t in tasks}
+    awaited = {name for t in tasks for name in t.awaits_tasks}
+    out: list[AsyncTask] = []
+    seen: set[int] = set()
+
+    def visit(task: AsyncTask) -> None:
+        if id(task) in seen:
+            return
+        seen.add(id(task))
+        out.append(task)
+        for name in task.awaits_tasks:
+            if name in by_name:
+                visit(by_name[name])
+
+    for task in [t for t in tasks if t.name not in awaited] + tasks:  # cycles: the rest
+        visit(task)
+    return out
 
 
 def add_tasks(

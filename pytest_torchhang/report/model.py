@@ -528,13 +528,12 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
         if thread.truncated:
             out.append("        ...")
         for loop in proc.event_loops:  # the tasks it runs, below the loop's select
-            if loop.thread == thread.ident:
+            if same_thread(loop.thread, thread.ident):
                 out.extend(_loop_lines(loop, proc))
     if len(proc.threads) > MAX_THREADS:
         out.append(f"    ... {len(proc.threads) - MAX_THREADS} more thread(s) not shown")
-    shown = {t.ident for t in proc.threads[:MAX_THREADS]}
     for loop in proc.event_loops:
-        if loop.thread not in shown:
+        if not any(same_thread(loop.thread, t.ident) for t in proc.threads[:MAX_THREADS]):
             out.extend(_loop_lines(loop, proc))
     native = [
         t for t in proc.tasks if not t.python_thread and any(e.pid != proc.pid for e in t.waits_for)
@@ -565,6 +564,14 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
     return out
 
 
+def same_thread(a: str, b: str) -> bool:
+    """Thread idents compare as numbers (faulthandler pads them with zeros)."""
+    try:
+        return int(a, 16) == int(b, 16)
+    except ValueError:
+        return a == b
+
+
 #: Tasks shown per loop in the text (the JSON keeps all that were read).
 MAX_TASKS_SHOWN = 20
 
@@ -572,9 +579,9 @@ MAX_TASKS_SHOWN = 20
 def _loop_lines(loop: EventLoop, proc: ProcessReport) -> list[str]:
     """A loop's pending tasks, each with its coroutine stack, as ``python -m asyncio pstree``."""
     main = next((t.ident for t in proc.threads if t.current), "")
-    where = "main thread" if loop.thread == main else "thread"
+    where = "main thread" if same_thread(loop.thread, main) else "thread"
     where += f" {loop.thread}" if loop.thread else ""
-    where += f' "{loop.thread_name}"' if loop.thread_name and loop.thread != main else ""
+    where += f' "{loop.thread_name}"' if loop.thread_name and where == "thread" else ""
     left = len(loop.tasks) - MAX_TASKS_SHOWN + loop.tasks_left_out
     out = [
         f"    asyncio loop in {where} ({loop.loop}), {len(loop.tasks) + loop.tasks_left_out} "

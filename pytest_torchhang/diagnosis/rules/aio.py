@@ -1,0 +1,152 @@
+"""The rule for asyncio tasks that wait on a primitive of their own process (an Event, a Lock,
+a Queue) that nothing in the process can set, release or fill any more."""
+
+from __future__ import annotations
+
+import os
+
+from ...report.model import AsyncTask, EventLoop, Frame, Hint, ProcessReport, ThreadStack, same_thread
+from ..frames import in_file, is_library, located
+from ..graph import who
+
+#: What would end each primitive's wait (the hint's words).
+_WHAT_ENDS = {
+    "Event": "set it",
+    "Lock": "release it",
+    "Semaphore": "release it",
+    "Condition": "notify it",
+    "Barrier": "bring the other parties to it",
+    "future": "complete it",
+}
+_QUEUE_ENDS = {"get": "put an item in it", "put": "take an item out of it", "join": "finish its items"}
+
+
+def _ends(task: AsyncTask) -> str:
+    if task.awaits == "Queue":
+        return _QUEUE_ENDS.get(task.call.rpartition(".")[2].rstrip("()"), "use it")
+    return _WHAT_ENDS.get(task.awaits, "")
+
+
+def _plugin_thread(thread: ThreadStack) -> bool:
+    """A thread of this plugin (the watchdog, the /proc reader, a flight-recorder listener)."""
+    if thread.name.startswith(("torch-hang ", "pytest-torchhang ")):
+        return True
+    paths = [f.filename.replace(os.sep, "/") for f in thread.frames]
+    ours = [p for p in paths if "/pytest_torchhang/" in p]
+    return bool(ours) and all(p in ours or p.endswith("/threading.py") for p in paths)
+
+
+def _user_frame(task: AsyncTask) -> Frame | None:
+    """Where the user's code awaits: its innermost frame outside the library, else the outermost."""
+    return next((f for f in task.frames if not is_library(f)), task.frames[-1] if task.frames else None)
+
+
+def _subject(task: AsyncTask) -> str:
+    """``test_event awaits Event.wait() in task 'Task-1' at test_a.py:5``."""
+    frame = _user_frame(task)
+    name = (frame.name if frame else task.coro).rpartition(".")[2] or task.name
+    return f"{name} awaits {task.call} in task {task.name!r}{located(frame)}"
+
+
+def _selecting(loop: EventLoop, proc: ProcessReport) -> ThreadStack | None:
+    """The loop's thread, when its innermost frame is the loop's wait in ``select``."""
+    for thread in proc.threads:
+        if same_thread(thread.ident, loop.thread) and thread.frames:
+            if in_file(thread.frames[0], "selectors.py", "select"):
+                return thread
+    return None
+
+
+def _referrers(task: AsyncTask, loop: EventLoop) -> str:
+    """For a locked lock: the other tasks whose frames hold it, and what each awaits (facts:
+    asyncio's Lock keeps no owner, so no task is named as its holder)."""
+    if task.awaits != "Lock" or task.detail != "locked":
+        return ""
+    others = [t for t in loop.tasks if t is not task and task.obj in t.refs and t.obj != task.obj]
+    if not others:
+        return ""
+    said = [
+        f"{t.name!r}, which awaits {t.call or 'nothing known'}{located(_user_frame(t))}"
+        for t in others[:3]
+    ]
+    return "; tasks that refer to the lock: " + ", and ".join(said)
+
+
+_STATE = {"not set": "the event is not set", "locked": "the lock is locked"}
+
+
+def _state(task: AsyncTask) -> str:
+    if task.awaits == "Queue" and task.detail.startswith("0 item"):
+        return "the queue is empty"
+    return _STATE.get(task.detail, task.detail)
+
+
+def hint_asyncio(procs: list[ProcessReport]) -> list[Hint]:
+    """Tasks of a running event loop that await an asyncio primitive, with what could still
+    end the wait; "nothing in the process will ..." only when nothing can: the loop has no
+    ready callback, timer, file descriptor or signal handler, it waits in ``select`` running
+    no task, and no other thread of the process (the plugin's own aside) is there to act."""
+    hints = []
+    for proc in procs:
+        for loop in proc.event_loops:
+            hint = _loop_hint(proc, loop)
+            if hint is not None:
+                hints.append(hint)
+    return hints
+
+
+def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
+    stuck = [t for t in loop.tasks if _ends(t) and not t.timed and t.detail != "set"]
+    if not stuck:
+        return None
+    thread = _selecting(loop, proc)
+    running = [t for t in loop.tasks if t.state == "running"]
+    others = [
+        t
+        for t in proc.threads
+        if not same_thread(t.ident, loop.thread) and not _plugin_thread(t)
+    ]
+    settled = thread is not None and loop.idle() and not running
+    final = settled and not others
+    sentences = []
+    for task in stuck[:3]:
+        sentence = _subject(task)
+        state = _state(task) + _referrers(task, loop)
+        sentence += f" ({state})" if state else ""
+        if final:
+            sentence += f"; nothing in the process will {_ends(task)}"
+        sentences.append(sentence)
+    if len(stuck) > 3:
+        sentences.append(f"{len(stuck) - 3} more task(s) await asyncio primitives too")
+    text = f"{who(proc)}: " + "; ".join(sentences) + "."
+    idle = (
+        "its event loop has nothing that could wake it (no ready callback, timer, file "
+        "descriptor or signal handler)"
+    )
+    if final:
+        text += f" {idle[0].upper()}{idle[1:]}, and no other thread of the process runs."
+    elif settled:
+        names = ", ".join(repr(t.name or t.ident) for t in others[:3])
+        text += (
+            f" {idle[0].upper()}{idle[1:]}: only another thread of the process could end the "
+            "wait" + (f" ({names})" if names else "") + "."
+        )
+    elif not loop.idle():
+        text += f" Its event loop may still be woken by {loop.wakers()}."
+    based_on = [
+        f"pid {proc.pid}: event loop {loop.loop} in thread {loop.thread}: "
+        f"{len(loop.tasks)} pending task(s), could still be woken by {loop.wakers()}",
+        *(f"{t.label()} awaits {t.call}" + (f" [{t.detail}]" if t.detail else "") for t in stuck[:3]),
+    ]
+    if thread is not None:
+        based_on.append(f"thread {thread.ident} waits in select (its innermost frame)")
+    if running:
+        based_on.append(f"{running[0].label()} was running")
+    if others:
+        based_on.append(
+            "other threads with a Python stack, the plugin's own aside: "
+            + ", ".join(repr(t.name or t.ident) for t in others)
+        )
+    elif thread is not None:
+        based_on.append("no other thread has a Python stack, the plugin's own aside")
+    return Hint(text, based_on, rule="asyncio", pids=[proc.pid])
