@@ -498,7 +498,7 @@ _PRIMITIVE_FILES = ("asyncio/locks.py", "asyncio/queues.py", "asyncio/tasks.py")
 
 
 def tasks_path(dump_dir: str, pid: int) -> str:
-    """The JSON file process ``pid`` writes its event loops' pending tasks to, on the dump signal."""
+    """The JSON file where process ``pid`` writes its loops' pending tasks, on the dump signal."""
     return os.path.join(dump_dir, f"{pid}.tasks.json")
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import os
 
-from ...report.model import AsyncTask, EventLoop, Frame, Hint, ProcessReport, ThreadStack, same_thread
+from ...report.model import (
+    AsyncTask,
+    EventLoop,
+    Frame,
+    Hint,
+    ProcessReport,
+    ThreadStack,
+    same_thread,
+)
 from ..frames import in_file, is_library, located
 from ..graph import who
 
@@ -18,7 +26,11 @@ _WHAT_ENDS = {
     "Barrier": "bring the other parties to it",
     "future": "complete it",
 }
-_QUEUE_ENDS = {"get": "put an item in it", "put": "take an item out of it", "join": "finish its items"}
+_QUEUE_ENDS = {
+    "get": "put an item in it",
+    "put": "take an item out of it",
+    "join": "finish its items",
+}
 
 
 def _ends(task: AsyncTask) -> str:
@@ -38,7 +50,8 @@ def _plugin_thread(thread: ThreadStack) -> bool:
 
 def _user_frame(task: AsyncTask) -> Frame | None:
     """Where the user's code awaits: its innermost frame outside the library, else the outermost."""
-    return next((f for f in task.frames if not is_library(f)), task.frames[-1] if task.frames else None)
+    outermost = task.frames[-1] if task.frames else None
+    return next((f for f in task.frames if not is_library(f)), outermost)
 
 
 def _subject(task: AsyncTask) -> str:
@@ -124,7 +137,7 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
         "descriptor or signal handler)"
     )
     if final:
-        text += f" {idle[0].upper()}{idle[1:]}, and no other thread of the process runs."
+        text += f" {idle[0].upper()}{idle[1:]}, and the process has no other Python thread."
     elif settled:
         names = ", ".join(repr(t.name or t.ident) for t in others[:3])
         text += (
@@ -136,7 +149,7 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
     based_on = [
         f"pid {proc.pid}: event loop {loop.loop} in thread {loop.thread}: "
         f"{len(loop.tasks)} pending task(s), could still be woken by {loop.wakers()}",
-        *(f"{t.label()} awaits {t.call}" + (f" [{t.detail}]" if t.detail else "") for t in stuck[:3]),
+        *(f"{t.label()} awaits {t.call}" + (f" [{t.detail}]" * bool(t.detail)) for t in stuck[:10]),
     ]
     if thread is not None:
         based_on.append(f"thread {thread.ident} waits in select (its innermost frame)")
