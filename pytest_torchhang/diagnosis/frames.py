@@ -128,7 +128,7 @@ def stuck_at(proc: ProcessReport) -> str:
         return ""
     task = stuck_task(proc, main)
     if task is not None:  # the thread's select() says nothing: the task's await point does
-        return f"{task.call} (asyncio task {task.name!r})"
+        return f"{task.awaited()} (asyncio task {task.name!r})"
     if any(in_file(f, "multiprocessing/util.py", "_exit_function") for f in main.frames) and any(
         in_file(f, "multiprocessing/queues.py", "_finalize_join", "join_thread")
         for f in main.frames

@@ -111,6 +111,12 @@ class AsyncTask:
     refs: list[int] = field(default_factory=list)  # awaited primitives its frames' locals hold
     timed: bool = False  # a timer of the loop will wake it (sleep, wait_for, asyncio.timeout)
 
+    def awaited(self) -> str:
+        """``Event.wait()``, ``a Future``, ``nothing known``: what it awaits, in words."""
+        if not self.call:
+            return "nothing known"
+        return f"a {self.call}" if self.awaits == "future" else self.call
+
     def label(self) -> str:
         """``task 'Task-2' (test_event)``."""
         coro = self.coro.rpartition(".")[2]
@@ -588,7 +594,7 @@ def _loop_lines(loop: EventLoop, proc: ProcessReport) -> list[str]:
         f"pending task(s); what could still wake it: {loop.wakers()}"
     ]
     for task in loop.tasks[:MAX_TASKS_SHOWN]:
-        awaits = f"awaits {task.call}" if task.call else "awaits nothing known"
+        awaits = f"awaits {task.awaited()}"
         if task.awaits == "gather" and task.awaits_tasks:
             awaits += " of " + ", ".join(repr(name) for name in task.awaits_tasks)
         awaits += f" [{task.detail}]" if task.detail else ""

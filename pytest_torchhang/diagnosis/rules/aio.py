@@ -58,7 +58,7 @@ def _subject(task: AsyncTask) -> str:
     """``test_event awaits Event.wait() in task 'Task-1' at test_a.py:5``."""
     frame = _user_frame(task)
     name = (frame.name if frame else task.coro).rpartition(".")[2] or task.name
-    return f"{name} awaits {task.call} in task {task.name!r}{located(frame)}"
+    return f"{name} awaits {task.awaited()} in task {task.name!r}{located(frame)}"
 
 
 def _selecting(loop: EventLoop, proc: ProcessReport) -> ThreadStack | None:
@@ -79,7 +79,7 @@ def _referrers(task: AsyncTask, loop: EventLoop) -> str:
     if not others:
         return ""
     said = [
-        f"{t.name!r}, which awaits {t.call or 'nothing known'}{located(_user_frame(t))}"
+        f"{t.name!r}, which awaits {t.awaited()}{located(_user_frame(t))}"
         for t in others[:3]
     ]
     return "; tasks that refer to the lock: " + ", and ".join(said)
@@ -92,6 +92,10 @@ def _state(task: AsyncTask) -> str:
     if task.awaits == "Queue" and task.detail.startswith("0 item"):
         return "the queue is empty"
     return _STATE.get(task.detail, task.detail)
+
+
+def _evidence(task: AsyncTask) -> str:
+    return f"{task.label()} awaits {task.awaited()}" + (f" [{task.detail}]" if task.detail else "")
 
 
 def hint_asyncio(procs: list[ProcessReport]) -> list[Hint]:
@@ -149,7 +153,7 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
     based_on = [
         f"pid {proc.pid}: event loop {loop.loop} in thread {loop.thread}: "
         f"{len(loop.tasks)} pending task(s), could still be woken by {loop.wakers()}",
-        *(f"{t.label()} awaits {t.call}" + (f" [{t.detail}]" * bool(t.detail)) for t in stuck[:10]),
+        *(_evidence(t) for t in stuck[:9]),
     ]
     if thread is not None:
         based_on.append(f"thread {thread.ident} waits in select (its innermost frame)")
