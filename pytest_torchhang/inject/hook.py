@@ -561,23 +561,33 @@ def _coroutine_frames(coro: Any) -> list[Any]:
     return frames
 
 
+def _await_point(frames: list[Any]) -> tuple[str, Any, Any]:
+    """(kind, frame, owner) of the asyncio primitive the user's code awaits: the outermost of
+    the innermost frames in asyncio's own files (``Queue.join`` awaits its own ``Event``)."""
+    found: tuple[str, Any, Any] = ("", None, None)
+    for frame in reversed(frames):  # innermost first
+        if not frame.f_code.co_filename.replace(os.sep, "/").endswith(_PRIMITIVE_FILES):
+            break
+        owner = frame.f_locals.get("self")
+        kind = _PRIMITIVES.get(_qualname(frame.f_code, owner), "")
+        if kind:
+            found = (kind, frame, owner)
+    return found
+
+
 def _awaits(frames: list[Any], waiter: Any, names: dict[int, str]) -> dict[str, Any]:
-    """What a task waits for: an asyncio primitive (its innermost frame is one's await point),
-    another task, a ``gather()`` of tasks, or a future."""
+    """What a task waits for: an asyncio primitive (one's await point is among its innermost
+    frames), another task, a ``gather()`` of tasks, or a future."""
     out: dict[str, Any] = {"kind": "", "call": "", "obj": 0, "detail": "", "tasks": []}
-    inner = frames[-1] if frames else None
-    owner = inner.f_locals.get("self") if inner is not None else None
-    qualname = _qualname(inner.f_code, owner) if inner is not None else ""
-    kind = _PRIMITIVES.get(qualname, "")
-    if kind and inner is not None:
-        if inner.f_code.co_filename.replace(os.sep, "/").endswith(_PRIMITIVE_FILES):
-            method = qualname.rpartition(".")[2]
-            out["kind"] = kind
-            out["call"] = f"{type(owner).__name__}.{method}()" if owner is not None else "sleep()"
-            if owner is not None:
-                out["obj"] = id(owner)
-                out["detail"] = _primitive_state(kind, owner)
-            return out
+    kind, frame, owner = _await_point(frames)
+    if kind:
+        method = _qualname(frame.f_code, owner).rpartition(".")[2]
+        out["kind"] = kind
+        out["call"] = f"{type(owner).__name__}.{method}()" if owner is not None else "sleep()"
+        if owner is not None:
+            out["obj"] = id(owner)
+            out["detail"] = _primitive_state(kind, owner)
+        return out
     if waiter is None:
         return out
     children = getattr(waiter, "_children", None)
@@ -600,7 +610,9 @@ def _primitive_state(kind: str, owner: Any) -> str:
             return "locked" if owner.locked() else "free"
         if kind == "Queue":
             size = f"of {owner.maxsize}" if owner.maxsize > 0 else "of unbounded"
-            return f"{owner.qsize()} item(s) {size}"
+            unfinished = getattr(owner, "_unfinished_tasks", 0)
+            done = f", {unfinished} not task_done()" if unfinished else ""
+            return f"{owner.qsize()} item(s) {size}{done}"
     except Exception:  # a user's subclass: its state is a bonus
         pass
     return ""
@@ -639,8 +651,28 @@ def _loop_facts(loop: Any) -> dict[str, Any]:
         "ready": len(ready) if ready is not None else -1,
         "timers": len([h for h in scheduled if not h._cancelled]) if scheduled is not None else -1,
         "fds": fds,
-        "signal_handlers": len(getattr(loop, "_signal_handlers", None) or {}),
+        "signal_handlers": len(getattr(loop, "_signal_handlers", None) or {}) + _user_handlers(),
     }
+
+
+#: Python signal handlers that cannot end a wait: Ctrl-C's (pytest's, asyncio.run's) and ours.
+_NOT_WAKERS = ("Runner._on_sigint", "default_int_handler")
+
+
+def _user_handlers() -> int:
+    """Python-level signal handlers of the process's own (a signal from outside runs them,
+    and they could end a wait), Ctrl-C's and the plugin's left out."""
+    count = 0
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (ValueError, OSError):
+            continue
+        handler = getattr(handler, "func", handler)  # asyncio.run's: a functools.partial
+        if callable(handler) and getattr(handler, "__qualname__", "") not in _NOT_WAKERS:
+            if not str(getattr(handler, "__module__", "")).startswith("pytest_torchhang"):
+                count += 1
+    return count
 
 
 def _task_row(task: Any, loop: Any, names: dict[int, str], timers: set[int]) -> dict[str, Any]:
@@ -683,17 +715,25 @@ def asyncio_snapshot() -> list[dict[str, Any]]:
         return []
     tasks = _all_tasks(asyncio)
     loops = list({id(t._loop): t._loop for t in tasks if getattr(t, "_loop", None)}.values())
-    for loop in _running_loops(asyncio):
-        if loop not in loops:
-            loops.append(loop)
-            tasks.extend(asyncio.all_tasks(loop))
-    threads = {t.ident: t.name for t in threading.enumerate()}
+    if sys.version_info >= (3, 14):  # native tasks live per thread, in no module-level set
+        for loop in _running_loops(asyncio):
+            if loop not in loops:
+                loops.append(loop)
+                tasks.extend(asyncio.all_tasks(loop))
+    # No threading.enumerate(): its lock may be held by the very code the main thread's signal
+    # handler interrupted. A copy of the dict needs none (names are a bonus).
+    try:
+        threads = {i: t.name for i, t in dict(getattr(threading, "_active", {})).items()}
+    except RuntimeError:  # changed size while copied
+        threads = {}
     current = getattr(asyncio.tasks, "_current_tasks", {})
     out: list[dict[str, Any]] = []
     for loop in loops:
         if not loop.is_running() or loop.is_closed():
             continue  # nothing runs it, so nothing of it is stuck (an earlier test's loop)
-        pending = [t for t in dict.fromkeys(tasks) if t._loop is loop and not t.done()]
+        pending = [
+            t for t in dict.fromkeys(tasks) if getattr(t, "_loop", None) is loop and not t.done()
+        ]
         names = {id(t): t.get_name() for t in pending}
         timers = _timer_refs(loop)
         rows = [_task_row(t, loop, names, timers) for t in pending[:MAX_TASKS]]
@@ -746,20 +786,23 @@ def _on_dump_signal(signum: int, frame: object) -> None:
 
 
 def _chain_python_handler() -> bool:
-    """Install :func:`_on_dump_signal` as the handler faulthandler chains to. Only the main
-    thread may install one; where it cannot (or the user's handler is there), faulthandler
-    does not chain (chaining to the default action would kill the process)."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
+    """Install :func:`_on_dump_signal` as the handler faulthandler chains to, before it
+    registers. Where that cannot be (not the main thread; the user's own handler is there),
+    faulthandler does not chain: chaining to the default action would kill the process."""
+    current = signal.getsignal(DUMP_SIGNAL)
+    if getattr(current, "__qualname__", None) == _on_dump_signal.__qualname__:
+        # An earlier copy of this module (pytester's inline sessions import it anew) chained
+        # it: faulthandler's registration chains to it still, and signal.signal would take
+        # faulthandler's place in the kernel.
+        _Registration.python_handler = True
+        return True
+    if current not in (signal.SIG_DFL, None):
         return False
+    # An earlier copy's registration that did not chain: it is registered again, chained.
+    faulthandler.unregister(DUMP_SIGNAL)
     try:
-        current = signal.getsignal(DUMP_SIGNAL)
-        ours = getattr(current, "__qualname__", "") == _on_dump_signal.__qualname__
-        if not ours and current not in (signal.SIG_DFL, None):
-            return False
         signal.signal(DUMP_SIGNAL, _on_dump_signal)
-    except (ValueError, OSError):
+    except ValueError:  # not the main thread
         return False
     _Registration.python_handler = True
     return True

@@ -139,6 +139,22 @@ def test_a_queue_a_lock_and_a_gather_are_told_apart() -> None:
     assert id(lock) not in consumer["refs"]
 
 
+def test_a_queue_join_is_told_as_the_join_not_as_the_event_it_awaits_inside() -> None:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+
+    async def main() -> None:
+        queue.put_nowait(1)
+        await queue.get()  # taken, never task_done()
+        await asyncio.create_task(queue.join(), name="joiner")
+
+    with running(main, _awaiting("joiner", "Queue")) as snapshot:
+        joiner = _task(snapshot, "joiner")
+    assert joiner is not None
+    assert joiner["awaits"]["call"] == "Queue.join()"
+    assert joiner["awaits"]["detail"] == "0 item(s) of unbounded, 1 not task_done()"
+    assert [frame[2].rpartition(".")[2] for frame in joiner["frames"]] == ["wait", "join"]
+
+
 @pytest.mark.parametrize("how", ["sleep", "wait_for", "timeout"])
 def test_a_wait_that_a_timer_of_the_loop_ends_is_timed(how: str) -> None:
     if how == "timeout" and sys.version_info < (3, 11):
@@ -180,6 +196,23 @@ def test_the_file_descriptors_a_loop_watches_count_as_what_could_wake_it() -> No
     finally:
         left.close()
         right.close()
+
+
+def test_a_python_signal_handler_of_the_users_counts_as_what_could_wake_the_loop() -> None:
+    async def main() -> None:
+        await asyncio.Event().wait()
+
+    def users(signum: int, frame: object) -> None:
+        pass
+
+    with running(main, lambda s: bool(s)) as snapshot:
+        before = snapshot[0]["signal_handlers"]
+        previous = signal.signal(signal.SIGUSR2, users)
+        try:
+            after = hook.asyncio_snapshot()[0]["signal_handlers"]
+        finally:
+            signal.signal(signal.SIGUSR2, previous)
+    assert after == before + 1
 
 
 def test_a_snapshot_is_bounded_and_counts_the_tasks_it_leaves_out() -> None:
