@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+    from types import FrameType
 
 #: Set by the plugin while a timeout is armed; names the directory for per-process dump files.
 DUMP_DIR_ENV = "PYTEST_TORCH_HANG_DUMP_DIR"
@@ -507,10 +508,12 @@ def _qualname(code: Any, owner: object = None) -> str:
     qualname = getattr(code, "co_qualname", None)  # 3.11+
     if qualname:
         return str(qualname)
-    for cls in type(owner).__mro__ if owner is not None else ():
-        if getattr(cls.__dict__.get(code.co_name), "__code__", None) is code:
-            return f"{cls.__name__}.{code.co_name}"
-    return str(code.co_name)
+    name = str(code.co_name)
+    classes = type(owner).__mro__ if owner is not None else ()
+    for cls in classes:
+        if getattr(cls.__dict__.get(name), "__code__", None) is code:
+            return f"{cls.__name__}.{name}"
+    return name
 
 
 def _all_tasks(asyncio: Any) -> list[Any]:
@@ -535,7 +538,7 @@ def _running_loops(asyncio: Any) -> list[Any]:
 
     loops: list[Any] = []
     for top in sys._current_frames().values():
-        frame = top
+        frame: FrameType | None = top
         while frame is not None:
             code = frame.f_code
             if code.co_name == "run_forever" and code.co_filename.endswith("base_events.py"):
@@ -669,9 +672,10 @@ def _user_handlers() -> int:
         except (ValueError, OSError):
             continue
         handler = getattr(handler, "func", handler)  # asyncio.run's: a functools.partial
-        if callable(handler) and getattr(handler, "__qualname__", "") not in _NOT_WAKERS:
-            if not str(getattr(handler, "__module__", "")).startswith("pytest_torchhang"):
-                count += 1
+        ours = str(getattr(handler, "__module__", "")).startswith("pytest_torchhang")
+        waker = getattr(handler, "__qualname__", "") not in _NOT_WAKERS
+        if callable(handler) and waker and not ours:
+            count += 1
     return count
 
 
@@ -738,7 +742,7 @@ def asyncio_snapshot() -> list[dict[str, Any]]:
         timers = _timer_refs(loop)
         rows = [_task_row(t, loop, names, timers) for t in pending[:MAX_TASKS]]
         awaited = {row["awaits"]["obj"] for row in rows} - {0}
-        for task, row in zip(pending, rows):
+        for task, row in zip(pending[:MAX_TASKS], rows, strict=True):
             row["refs"] = sorted(row["refs"] & awaited)
             row["state"] = "running" if current.get(loop) is task else "pending"
         ident = getattr(loop, "_thread_id", None)

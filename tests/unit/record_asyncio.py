@@ -29,8 +29,9 @@ ROOT = HERE.parent.parent
 DATA = HERE / "data" / "asyncio"
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from asyncio_scenarios import INI, MODULES  # noqa: E402
 from record import first_reports  # noqa: E402
+
+from asyncio_scenarios import INI, MODULES  # noqa: E402
 
 
 def main() -> int:

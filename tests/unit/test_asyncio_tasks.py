@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -41,10 +41,8 @@ def running(
 
     async def host() -> None:
         box["loop"] = asyncio.get_running_loop()
-        try:
+        with suppress(asyncio.CancelledError):
             await main()
-        except asyncio.CancelledError:
-            pass
 
     thread = threading.Thread(target=asyncio.run, args=(host(),), name="loop", daemon=True)
     thread.start()

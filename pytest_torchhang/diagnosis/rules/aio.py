@@ -64,9 +64,13 @@ def _subject(task: AsyncTask) -> str:
 def _selecting(loop: EventLoop, proc: ProcessReport) -> ThreadStack | None:
     """The loop's thread, when its innermost frame is the loop's wait in ``select``."""
     for thread in proc.threads:
-        if same_thread(thread.ident, loop.thread) and thread.frames:
-            if in_file(thread.frames[0], "selectors.py", "select"):
-                return thread
+        top = thread.frames[0] if thread.frames else None
+        if (
+            same_thread(thread.ident, loop.thread)
+            and top
+            and in_file(top, "selectors.py", "select")
+        ):
+            return thread
     return None
 
 
@@ -78,10 +82,7 @@ def _referrers(task: AsyncTask, loop: EventLoop) -> str:
     others = [t for t in loop.tasks if t is not task and task.obj in t.refs and t.obj != task.obj]
     if not others:
         return ""
-    said = [
-        f"{t.name!r}, which awaits {t.awaited()}{located(_user_frame(t))}"
-        for t in others[:3]
-    ]
+    said = [f"{t.name!r}, which awaits {t.awaited()}{located(_user_frame(t))}" for t in others[:3]]
     return "; tasks that refer to the lock: " + ", and ".join(said)
 
 
@@ -119,9 +120,7 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
     thread = _selecting(loop, proc)
     running = [t for t in loop.tasks if t.state == "running"]
     others = [
-        t
-        for t in proc.threads
-        if not same_thread(t.ident, loop.thread) and not _plugin_thread(t)
+        t for t in proc.threads if not same_thread(t.ident, loop.thread) and not _plugin_thread(t)
     ]
     settled = thread is not None and loop.idle() and not running
     final = settled and not others
