@@ -192,3 +192,16 @@ def test_pytest_timeouts_option_shows_the_tasks_as_ours_does(
         "test_awaits_an_event_nobody_sets",
         "      task 'Task-*' (test_awaits_an_event_nobody_sets) awaits Event.wait() [[]not set[]]*",
     )
+
+
+def test_under_xdist_the_workers_tasks_reach_the_controllers_report(guarded: GuardedRunner) -> None:
+    session = _session(guarded, EVENT, "-n", "1")
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_awaits_an_event_nobody_sets",
+        "hint: pytest (xdist worker gw0) (pid *): test_awaits_an_event_nobody_sets awaits "
+        "Event.wait() in task 'Task-*' at test_*.py:*: only another thread of the process could "
+        "end the wait (thread 0x* started in *)*",
+        "      task 'Task-*' (test_awaits_an_event_nobody_sets) awaits Event.wait() [[]not set[]]*",
+    )

@@ -48,6 +48,16 @@ def _plugin_thread(thread: ThreadStack) -> bool:
     return bool(ours) and all(p in ours or p.endswith("/threading.py") for p in paths)
 
 
+def _thread_words(thread: ThreadStack) -> str:
+    """``'bystander'``, or, for a thread without a name, where it started
+    (``thread 0x7f.. started in gateway_base.py _thread_receiver``)."""
+    if thread.name:
+        return repr(thread.name)
+    start = thread.frames[-1] if thread.frames else None
+    where = f" started in {os.path.basename(start.filename)} {start.name}" if start else ""
+    return f"thread {thread.ident}{where}"
+
+
 def _user_frame(task: AsyncTask) -> Frame | None:
     """Where the user's code awaits: its innermost frame outside the library, else the outermost."""
     outermost = task.frames[-1] if task.frames else None
@@ -142,7 +152,7 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
     if final:
         text += f" {idle[0].upper()}{idle[1:]}, and the process has no other Python thread."
     elif settled:
-        names = ", ".join(repr(t.name or t.ident) for t in others[:3])
+        names = ", ".join(_thread_words(t) for t in others[:3])
         text += (
             f" {idle[0].upper()}{idle[1:]}: only another thread of the process could end the "
             "wait" + (f" ({names})" if names else "") + "."
@@ -161,7 +171,7 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
     if others:
         based_on.append(
             "other threads with a Python stack, the plugin's own aside: "
-            + ", ".join(repr(t.name or t.ident) for t in others)
+            + ", ".join(_thread_words(t) for t in others)
         )
     elif thread is not None:
         based_on.append("no other thread has a Python stack, the plugin's own aside")
