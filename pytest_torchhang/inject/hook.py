@@ -1,4 +1,5 @@
-"""Start-up hook for every Python process of a guarded test: dump all thread stacks on a signal.
+"""Start-up hook for every Python process of a guarded test: dump all thread stacks on a signal
+(and, from the main thread, the pending tasks of its asyncio event loops).
 
 This module must stay standard-library only and cheap to import: the injected ``sitecustomize``
 loads it by path in every interpreter a guarded test starts, before any user code runs.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import sys
@@ -273,6 +274,35 @@ def test_tasks_are_listed_as_pstree_does_each_above_the_tasks_it_awaits() -> Non
     loop_b = AsyncTask("b", awaits="task", awaits_tasks=["a"])
     order = aio.tree_order([leaf, other, loop_a, middle, loop_b, root])
     assert [t.name for t in order] == ["root", "middle", "leaf", "other", "a", "b"]
+
+
+def test_a_childs_answer_counts_only_when_written_since_the_capture_began_and_is_awaited_briefly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer is the one the dump handler's Python half writes (``_write_tasks``), read for
+    a child of a recorded report (its pid, its stacks that run a loop)."""
+    doc = json.loads((DATA / "test_a_child_process_whose_loop_is_stuck.json").read_text())
+    child = next(p for p in HangReport.from_json(doc).processes if p.event_loops)
+    event = asyncio.Event()
+
+    async def main() -> None:
+        await asyncio.create_task(event.wait(), name="answering")
+
+    monkeypatch.setattr(hook._Registration, "dump_dir", str(tmp_path))
+    with running(main, _awaiting("answering", "Event")):
+        began = time.time()
+        hook._write_tasks()
+    Path(hook.tasks_path(str(tmp_path), os.getpid())).rename(
+        hook.tasks_path(str(tmp_path), child.pid)
+    )
+    child.event_loops = []
+    assert aio.add_tasks([child], str(tmp_path), began, 0.2) == []
+    assert [t.name for loop in child.event_loops for t in loop.tasks][-1] == "answering"
+    child.event_loops = []
+    start = time.monotonic()
+    (note,) = aio.add_tasks([child], str(tmp_path), time.time() + 60, 0.2)  # an older answer
+    assert time.monotonic() - start < 2
+    assert child.event_loops == [] and "its tasks did not come within 0.2s" in note
 
 
 # --- reports recorded from real hangs --------------------------------------------------------
