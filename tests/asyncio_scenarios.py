@@ -175,6 +175,36 @@ async def test_awaits_an_event_with_a_long_timeout():
     await asyncio.wait_for(asyncio.Event().wait(), 600)
 """
 
+#: An async fixture that never finishes its setup, and an async generator iterated forever.
+FIXTURE = """
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+
+@pytest_asyncio.fixture
+async def connection():
+    await asyncio.Event().wait()
+    yield
+
+
+@pytest.mark.asyncio
+async def test_uses_a_fixture_that_never_connects(connection):
+    pass
+
+
+async def ticks(queue):
+    while True:
+        yield await queue.get()
+
+
+@pytest.mark.asyncio
+async def test_iterates_an_async_generator_that_never_yields():
+    async for _ in ticks(asyncio.Queue()):
+        pass
+"""
+
 #: Every scenario module, by the name it is written under.
 MODULES = {
     "test_event": EVENT,
@@ -185,4 +215,5 @@ MODULES = {
     "test_child": CHILD,
     "test_other_thread": OTHER_THREAD,
     "test_timed": TIMED,
+    "test_fixture": FIXTURE,
 }

@@ -8,6 +8,7 @@ import pytest
 from asyncio_scenarios import (
     CHILD,
     EVENT,
+    FIXTURE,
     GATHER_LOCK,
     INI,
     MODULE_LOOP,
@@ -156,6 +157,30 @@ def test_a_sync_test_whose_asyncio_run_hangs_is_a_hang_and_the_next_test_runs(
         "hint: pytest (pid *): wait_for_ever awaits Event.wait() in task 'Task-*' at "
         f"test_*.py:{_line(SYNC_RUN, 'await asyncio.Event().wait()')} (the event is not set); "
         "nothing in the process will set it.*",
+    )
+
+
+def test_an_async_fixture_stuck_in_setup_and_an_async_generator_show_their_own_frames(
+    guarded: GuardedRunner,
+) -> None:
+    session = _session(guarded, FIXTURE, *ALONE)
+    session.result.assert_outcomes(failed=1, errors=1)
+    fixture = _line(FIXTURE, "await asyncio.Event().wait()")
+    assert_hang(
+        session,
+        "test_uses_a_fixture_that_never_connects",
+        "HANG after *s in *::test_uses_a_fixture_that_never_connects (during setup): 1 process, "
+        "stuck in Event.wait() (asyncio task 'Task-*')",
+        f"hint: pytest (pid *): connection awaits Event.wait() in task 'Task-*' at "
+        f"test_*.py:{fixture} (the event is not set); nothing in the process will set it.*",
+        f'        File "*test_*.py", line {fixture}, in connection',
+    )
+    assert_hang(
+        session,
+        "test_iterates_an_async_generator_that_never_yields",
+        "hint: pytest (pid *): ticks awaits Queue.get() in task 'Task-*' at "
+        f"test_*.py:{_line(FIXTURE, 'yield await queue.get()')} (the queue is empty)*",
+        '        File "*test_*.py", line *, in test_iterates_an_async_generator_that_never_yields',
     )
 
 

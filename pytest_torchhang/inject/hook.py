@@ -553,16 +553,52 @@ def _running_loops(asyncio: Any) -> list[Any]:
 
 def _coroutine_frames(coro: Any) -> list[Any]:
     """A task's suspended frames, outermost first, down its coroutines' ``cr_await`` chain (it
-    ends where a future is awaited: the task's ``_fut_waiter``)."""
+    ends where a future is awaited: the task's ``_fut_waiter``), async generators included."""
     frames: list[Any] = []
     obj = coro
     while obj is not None and len(frames) < MAX_TASK_FRAMES:
-        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None)
+        frame = frame or getattr(obj, "gi_frame", None)
         if frame is None:
             break
         frames.append(frame)
-        obj = getattr(obj, "cr_await", None) if hasattr(obj, "cr_frame") else obj.gi_yieldfrom
+        obj = _awaited_by(obj, frame)
     return frames
+
+
+#: What a frame awaits when it awaits an async generator (``async for``, ``__anext__()``).
+_ASEND = ("async_generator_asend", "async_generator_athrow")
+
+
+def _awaited_by(obj: Any, frame: Any) -> Any:
+    """What the coroutine (or async generator, or generator) ``obj`` awaits."""
+    if hasattr(obj, "cr_frame"):
+        awaited = obj.cr_await
+    elif hasattr(obj, "ag_frame"):
+        awaited = obj.ag_await
+    else:
+        awaited = getattr(obj, "gi_yieldfrom", None)
+    if type(awaited).__name__ in _ASEND:
+        # The asend object does not say its generator: it is the one running among the objects
+        # the suspended frame holds (its locals, its closure's cells, and its value stack, where
+        # ``async for`` keeps it).
+        import gc
+
+        held = gc.get_referents(obj, frame)
+        for cell in [ref for ref in held if type(ref).__name__ == "cell"]:
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        awaited = next(
+            (
+                ref
+                for ref in held
+                if type(ref).__name__ == "async_generator" and getattr(ref, "ag_running", False)
+            ),
+            None,
+        )
+    return awaited
 
 
 def _await_point(frames: list[Any]) -> tuple[str, Any, Any]:

@@ -154,6 +154,39 @@ def test_a_queue_join_is_told_as_the_join_not_as_the_event_it_awaits_inside() ->
     assert [frame[2].rpartition(".")[2] for frame in joiner["frames"]] == ["wait", "join"]
 
 
+def test_the_chain_goes_on_into_the_async_generator_a_frame_awaits() -> None:
+    event = asyncio.Event()
+
+    async def source() -> Any:
+        await event.wait()
+        yield 1
+
+    async def iterates() -> None:
+        async for _ in source():  # kept on the frame's value stack, not in a local
+            pass
+
+    generator = source()
+
+    async def steps() -> object:  # pytest-asyncio's fixture setup: the generator in a cell
+        return await generator.__anext__()
+
+    async def main() -> None:
+        await asyncio.gather(
+            asyncio.create_task(iterates(), name="iterates"),
+            asyncio.create_task(steps(), name="steps"),
+        )
+
+    def ready(snapshot: list[dict[str, Any]]) -> bool:
+        return _awaiting("iterates", "Event")(snapshot) and _awaiting("steps", "Event")(snapshot)
+
+    with running(main, ready) as snapshot:
+        rows = [_task(snapshot, "iterates"), _task(snapshot, "steps")]
+    for row, outer in zip(rows, ["iterates", "steps"], strict=True):
+        assert row is not None
+        names = [frame[2].rpartition(".")[2] for frame in row["frames"]]
+        assert names == ["wait", "source", outer]
+
+
 @pytest.mark.parametrize("how", ["sleep", "wait_for", "timeout"])
 def test_a_wait_that_a_timer_of_the_loop_ends_is_timed(how: str) -> None:
     if how == "timeout" and sys.version_info < (3, 11):
@@ -352,9 +385,8 @@ def test_the_rule_replayed_gives_the_hints_and_headline_the_capture_gave(
     report = recorded(path.stem)
     assert [asdict(h) for h in engine.hints(report.processes)] == [asdict(h) for h in report.hints]
     root = next(p for p in report.processes if p.role == "pytest")
-    assert engine.headline(report.test_id, report.elapsed_s, report.processes, root.pid) == (
-        report.headline
-    )
+    test = report.test_id + (f" (during {report.phase})" if report.phase != "call" else "")
+    assert engine.headline(test, report.elapsed_s, report.processes, root.pid) == report.headline
 
 
 def test_an_event_nobody_can_set_is_said_so_and_the_generic_select_hint_stays_silent(
