@@ -1,12 +1,12 @@
 """Re-record the asyncio hang reports of tests/unit/data/asyncio/ from real hangs, by the plugin.
 
-Run it from the repository root (no torch needed; it takes about half a minute)::
+Run it from the repository root (no torch needed; it takes about a minute)::
 
     python tests/unit/record_asyncio.py
 
 It writes every scenario module of ``tests/asyncio_scenarios.py`` into a fresh directory, runs
-them in one real pytest session (pytest-asyncio; pytest-rerunfailures left out, as the
-end-to-end tests do, so that its server thread is not in the pytest process) with
+each in a real pytest session of its own (pytest-asyncio; pytest-rerunfailures left out, as
+the end-to-end tests do, so that its server thread is not in the pytest process) with
 ``--torch-hang-report-dir``, and keeps the first report of each hung test, written by the
 plugin and not edited, as ``data/asyncio/<test name>.json``. ``data/asyncio/recording.json``
 keeps the recording machine's stdlib directory, which the rules read (``frames.is_library``).
@@ -47,7 +47,8 @@ def main() -> int:
         command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider"]
         command += ["-p", "no:rerunfailures", "--torch-hang-timeout=2"]
         command += [f"--torch-hang-report-dir={workdir / 'reports'}"]
-        subprocess.run(command, cwd=workdir, env=env, timeout=300, check=False)
+        for name in MODULES:  # a session each: no thread of one scenario in another's process
+            subprocess.run([*command, f"{name}.py"], cwd=workdir, env=env, timeout=300, check=False)
         found = first_reports(workdir / "reports")
         if not found:
             print("no hang report: nothing written", file=sys.stderr)

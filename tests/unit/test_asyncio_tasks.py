@@ -414,6 +414,7 @@ def test_another_thread_or_a_timer_keeps_the_rule_from_saying_nothing_will_end_t
     timed = _hint(recorded("test_awaits_an_event_with_a_long_timeout"))
     assert "nothing in the process will" not in timed
     assert timed.endswith("Its event loop may still be woken by 1 timer(s).")
+    assert "at locks.py" not in timed  # a task without a frame of the user's has no place
 
 
 def test_a_task_that_awaits_a_locked_lock_gets_the_tasks_that_refer_to_it_never_a_holder(
@@ -438,9 +439,10 @@ def test_a_childs_tasks_are_read_from_its_own_answer_and_explain_it(
         (child,) = [p for p in report.processes if p.event_loops]
         assert child.role == role and child.pid != os_getpid_of(report)
         (hint,) = [h for h in engine.hints(report.processes) if h.rule == "asyncio"]
-        assert hint.pids == [child.pid]
+        assert hint.pids == [child.pid, os_getpid_of(report)]  # and the parent waiting for it
         assert hint.text.startswith(f"{role} (pid {child.pid}): serve awaits Event.wait()")
         assert "nothing in the process will set it" in hint.text
+        assert f"Waiting for it: pytest (pid {os_getpid_of(report)}) waits in " in hint.text
 
 
 def os_getpid_of(report: HangReport) -> int:

@@ -15,7 +15,7 @@ from ...report.model import (
     same_thread,
 )
 from ..frames import in_file, is_library, located
-from ..graph import who
+from ..graph import edge_lines, edges_to, waiters_text, who
 
 #: What would end each primitive's wait (the hint's words).
 _WHAT_ENDS = {
@@ -58,16 +58,24 @@ def _thread_words(thread: ThreadStack) -> str:
     return f"thread {thread.ident}{where}"
 
 
+def _users(frame: Frame) -> bool:
+    """User code: not the library's, or ``python -c`` / stdin code."""
+    return frame.filename in ("<string>", "<stdin>") or not is_library(frame)
+
+
 def _user_frame(task: AsyncTask) -> Frame | None:
     """Where the user's code awaits: its innermost frame outside the library, else the outermost."""
     outermost = task.frames[-1] if task.frames else None
-    return next((f for f in task.frames if not is_library(f)), outermost)
+    return next((f for f in task.frames if _users(f)), outermost)
 
 
 def _subject(task: AsyncTask) -> str:
-    """``test_event awaits Event.wait() in task 'Task-1' at test_a.py:5``."""
-    frame = _user_frame(task)
-    name = (frame.name if frame else task.coro).rpartition(".")[2] or task.name
+    """``test_event awaits Event.wait() in task 'Task-1' at test_a.py:5``; a task with no frame
+    of the user's (``wait_for()``'s inner task on 3.11) is named by itself, with no place."""
+    frame = next((f for f in task.frames if _users(f)), None)
+    if frame is None:
+        return f"task {task.name!r} awaits {task.awaited()}"
+    name = frame.name.rpartition(".")[2]
     return f"{name} awaits {task.awaited()} in task {task.name!r}{located(frame)}"
 
 
@@ -118,8 +126,14 @@ def hint_asyncio(procs: list[ProcessReport]) -> list[Hint]:
     for proc in procs:
         for loop in proc.event_loops:
             hint = _loop_hint(proc, loop)
-            if hint is not None:
-                hints.append(hint)
+            if hint is None:
+                continue
+            waiters = edges_to(procs, proc.pid)  # a parent that waits for this process
+            if waiters:
+                hint.text += f" Waiting for it: {waiters_text(waiters)}."
+                hint.based_on += edge_lines(waiters, proc)
+                hint.pids += [p.pid for p, _ in waiters]
+            hints.append(hint)
     return hints
 
 
