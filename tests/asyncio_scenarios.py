@@ -205,6 +205,26 @@ async def test_iterates_an_async_generator_that_never_yields():
         pass
 """
 
+#: A task blocks the loop's thread (a sync call in a coroutine) while the test awaits it.
+BLOCKED = """
+import asyncio
+import time
+
+import pytest
+
+
+async def announce(event):
+    time.sleep(600)  # blocks the loop's thread: no other task runs
+    event.set()
+
+
+@pytest.mark.asyncio
+async def test_awaits_an_event_a_blocking_task_would_set():
+    event = asyncio.Event()
+    asyncio.create_task(announce(event), name="announcer")
+    await event.wait()
+"""
+
 #: Every scenario module, by the name it is written under.
 MODULES = {
     "test_event": EVENT,
@@ -216,4 +236,5 @@ MODULES = {
     "test_other_thread": OTHER_THREAD,
     "test_timed": TIMED,
     "test_fixture": FIXTURE,
+    "test_blocked": BLOCKED,
 }

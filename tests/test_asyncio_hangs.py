@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncio_scenarios import (
+    BLOCKED,
     CHILD,
     EVENT,
     FIXTURE,
@@ -88,6 +89,23 @@ def test_a_wait_with_a_timeout_is_not_called_endless(guarded: GuardedRunner) -> 
         "hint: pytest (pid *): * awaits Event.wait()* (the event is not set). Its event loop may "
         "still be woken by 1 timer(s).",
         "      task 'Task-*' (test_awaits_an_event_with_a_long_timeout) * with a timeout *",
+    )
+    assert "nothing in the process will" not in report
+
+
+def test_a_task_blocking_the_loops_thread_is_named_and_no_wait_is_called_endless(
+    guarded: GuardedRunner,
+) -> None:
+    session = _session(guarded, BLOCKED, *ALONE)
+    session.result.assert_outcomes(failed=1)
+    report = assert_hang(
+        session,
+        "test_awaits_an_event_a_blocking_task_would_set",
+        "hint: pytest (pid *): test_awaits_an_event_a_blocking_task_would_set awaits Event.wait() "
+        "in task 'Task-*' at test_*.py:* (the event is not set). Its event loop is running task "
+        "'announcer' (announce), and runs no other task until that one awaits or returns*",
+        "      task 'announcer' (announce) is running (the stack of its loop's thread shows where)*",
+        '        File "*test_*.py", line *, in announce',
     )
     assert "nothing in the process will" not in report
 

@@ -594,13 +594,14 @@ def _loop_lines(loop: EventLoop, proc: ProcessReport) -> list[str]:
         f"pending task(s); what could still wake it: {loop.wakers()}"
     ]
     for task in loop.tasks[:MAX_TASKS_SHOWN]:
-        awaits = f"awaits {task.awaited()}"
+        awaits = f"awaits {task.awaited()}" if task.state != "running" else "is running"
         if task.awaits == "gather" and task.awaits_tasks:
             awaits += " of " + ", ".join(repr(name) for name in task.awaits_tasks)
         awaits += f" [{task.detail}]" if task.detail else ""
         awaits += ", with a timeout" if task.timed else ""
-        state = ", running" if task.state == "running" else ""
-        out.append(f"      {task.label()}{state} {awaits} (most recent call first):")
+        if task.state == "running":
+            awaits += " (the stack of its loop's thread shows where)"
+        out.append(f"      {task.label()} {awaits} (most recent call first):")
         for frame in task.frames:
             out.append(f'        File "{frame.filename}", line {frame.lineno}, in {frame.name}')
             if frame.line:

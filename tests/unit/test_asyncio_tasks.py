@@ -405,7 +405,7 @@ def test_an_event_nobody_can_set_is_said_so_and_the_generic_select_hint_stays_si
     assert "      task 'Task-1' (test_awaits_an_event_nobody_sets) awaits Event.wait()" in text
 
 
-def test_another_thread_or_a_timer_keeps_the_rule_from_saying_nothing_will_end_the_wait(
+def test_another_thread_a_timer_or_a_running_task_keep_the_rule_from_saying_nothing_will(
     recorded: Callable[[str], HangReport],
 ) -> None:
     beside = _hint(recorded("test_awaits_an_event_beside_another_thread"))
@@ -415,6 +415,9 @@ def test_another_thread_or_a_timer_keeps_the_rule_from_saying_nothing_will_end_t
     assert "nothing in the process will" not in timed
     assert timed.endswith("Its event loop may still be woken by 1 timer(s).")
     assert "at locks.py" not in timed  # a task without a frame of the user's has no place
+    blocked = _hint(recorded("test_awaits_an_event_a_blocking_task_would_set"))
+    assert "nothing in the process will" not in blocked
+    assert "Its event loop is running task 'announcer' (announce)" in blocked
 
 
 def test_a_task_that_awaits_a_locked_lock_gets_the_tasks_that_refer_to_it_never_a_holder(

@@ -171,6 +171,11 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
             f" {idle[0].upper()}{idle[1:]}: only another thread of the process could end the "
             "wait" + (f" ({names})" if names else "") + "."
         )
+    elif running:
+        text += (
+            f" Its event loop is running {running[0].label()}, and runs no other task until that "
+            "one awaits or returns: the loop's thread's stack shows where it is."
+        )
     elif not loop.idle():
         text += f" Its event loop may still be woken by {loop.wakers()}."
     based_on = [
