@@ -451,3 +451,17 @@ def test_a_childs_tasks_are_read_from_its_own_answer_and_explain_it(
 def os_getpid_of(report: HangReport) -> int:
     """The pytest process of a recorded report."""
     return next(p.pid for p in report.processes if p.role == "pytest")
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
+def test_every_asyncio_recording_draws_a_valid_flowchart_and_renders_as_markdown(
+    path: Path,
+) -> None:
+    from pytest_torchhang.report import views
+
+    from .mermaid_flowchart import parse
+
+    hang = HangReport.from_json(json.loads(path.read_text()))
+    chart = parse(views.to_mermaid(hang))  # a task's name in quotes, its call in parentheses
+    assert list(chart.nodes) == [n.key for n in views.build_graph(hang).nodes]
+    assert hang.headline.split(": ", 1)[0] in views.to_markdown(hang)
