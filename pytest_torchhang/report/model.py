@@ -134,7 +134,8 @@ class EventLoop:
     ready: int = 0  # callbacks ready to run
     timers: int = 0  # timers not cancelled
     fds: int = 0  # file descriptors it watches, its own self-pipe left out
-    signal_handlers: int = 0  # loop.add_signal_handler's
+    #: loop.add_signal_handler's, and the process's own Python handlers (Ctrl-C's aside)
+    signal_handlers: int = 0
     tasks: list[AsyncTask] = field(default_factory=list)
     tasks_left_out: int = 0
 
@@ -585,10 +586,11 @@ MAX_TASKS_SHOWN = 20
 def _loop_lines(loop: EventLoop, proc: ProcessReport) -> list[str]:
     """A loop's pending tasks, each with its coroutine stack, as ``python -m asyncio pstree``."""
     main = next((t.ident for t in proc.threads if t.current), "")
-    where = "main thread" if same_thread(loop.thread, main) else "thread"
+    in_main = same_thread(loop.thread, main)
+    where = "main thread" if in_main else "thread"
     where += f" {loop.thread}" if loop.thread else ""
-    where += f' "{loop.thread_name}"' if loop.thread_name and where == "thread" else ""
-    left = len(loop.tasks) - MAX_TASKS_SHOWN + loop.tasks_left_out
+    where += f' "{loop.thread_name}"' if loop.thread_name and not in_main else ""
+    left = max(len(loop.tasks) - MAX_TASKS_SHOWN, 0) + loop.tasks_left_out
     out = [
         f"    asyncio loop in {where} ({loop.loop}), {len(loop.tasks) + loop.tasks_left_out} "
         f"pending task(s); what could still wake it: {loop.wakers()}"

@@ -23,7 +23,7 @@ from pytest_torchhang.capture import aio
 from pytest_torchhang.diagnosis import engine, frames
 from pytest_torchhang.diagnosis.rules.aio import hint_asyncio
 from pytest_torchhang.inject import hook
-from pytest_torchhang.report.model import HangReport
+from pytest_torchhang.report.model import HangReport, ProcessReport, _loop_lines
 
 DATA = Path(__file__).parent / "data" / "asyncio"
 RECORDED = sorted(DATA.glob("test_*.json"))
@@ -90,6 +90,10 @@ def test_a_task_awaiting_an_event_shows_each_coroutine_frame_and_the_event() -> 
         (loop,) = snapshot
         task = _task(snapshot, "inner")
     assert loop["thread_name"] == "loop"
+    text = "\n".join(
+        _loop_lines(aio.loops_of(snapshot)[0], ProcessReport(0, 0, "", "", "", 0, 0, 0, 0, 0, "ok"))
+    )
+    assert text.startswith(f'    asyncio loop in thread {loop["thread"]} "loop" (asyncio.')
     assert (loop["ready"], loop["timers"], loop["fds"], loop["signal_handlers"]) == (0, 0, 0, 0)
     assert task is not None
     names = [frame[2] for frame in task["frames"]]  # most recent call first
