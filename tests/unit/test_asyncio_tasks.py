@@ -293,6 +293,8 @@ def test_the_python_half_of_the_dump_handler_is_never_put_in_place_of_a_users_ha
 
 
 def test_the_python_half_of_the_dump_handler_is_installed_from_the_main_thread_only() -> None:
+    if hook._Registration.file is not None:
+        pytest.skip("this process answers the dump signal: its handler stays untouched")
     result: list[bool] = []
     thread = threading.Thread(target=lambda: result.append(hook._chain_python_handler()))
     thread.start()
