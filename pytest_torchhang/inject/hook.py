@@ -716,7 +716,8 @@ def _user_handlers() -> int:
     return count
 
 
-def _task_row(task: Any, loop: Any, names: dict[int, str], timers: set[int]) -> dict[str, Any]:
+def _task_row(task: Any, names: dict[int, str], timers: set[int]) -> dict[str, Any]:
+    """One task: its frames, what it awaits, whether a timer wakes it, what its frames hold."""
     coro = task.get_coro()
     frames = _coroutine_frames(coro)
     waiter = getattr(task, "_fut_waiter", None)
@@ -777,7 +778,7 @@ def asyncio_snapshot() -> list[dict[str, Any]]:
         ]
         names = {id(t): t.get_name() for t in pending}
         timers = _timer_refs(loop)
-        rows = [_task_row(t, loop, names, timers) for t in pending[:MAX_TASKS]]
+        rows = [_task_row(t, names, timers) for t in pending[:MAX_TASKS]]
         awaited = {row["awaits"]["obj"] for row in rows} - {0}
         for task, row in zip(pending[:MAX_TASKS], rows, strict=True):
             row["refs"] = sorted(row["refs"] & awaited)
