@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from ..report.model import Hint, ProcessReport
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
+from .rules.aio import hint_asyncio
 from .rules.distributed import hint_collectives, hint_rank_gone
 from .rules.loading import (
     hint_cuda_before_fork,
@@ -54,6 +55,7 @@ def headline(test_id: str, elapsed: float, processes: list[ProcessReport], root_
 RULES: tuple[Rule, ...] = (
     hint_stopped,
     hint_dead,
+    hint_asyncio,
     hint_collectives,
     hint_rank_gone,
     hint_unpicklable_batch,

@@ -93,6 +93,69 @@ class Collective:
         return f"#{self.seq} {self.name}" + (f"({sizes})" if sizes else "")
 
 
+@dataclass
+class AsyncTask:
+    """One pending asyncio task of a running loop: where its coroutines are suspended (each
+    frame down its ``cr_await`` chain, most recent call first) and what it awaits."""
+
+    name: str  # the task's name: ``Task-2``, or what ``create_task(name=...)`` gave
+    coro: str = ""  # its coroutine's qualified name
+    state: str = "pending"  # or "running": the loop was running it
+    frames: list[Frame] = field(default_factory=list)
+    #: Event, Lock, Queue, Condition, Semaphore, Barrier, sleep (asyncio's await points),
+    #: task, gather (other tasks), future, or "" (nothing known)
+    awaits: str = ""
+    call: str = ""  # ``Event.wait()``, ``PriorityQueue.get()``, ``gather()``, ``task 'Task-3'``
+    detail: str = ""  # the awaited primitive's state: ``not set``, ``locked``, ``0 item(s) of 4``
+    awaits_tasks: list[str] = field(default_factory=list)  # names, for task and gather
+    obj: int = 0  # the awaited primitive's identity within one capture (0: none)
+    refs: list[int] = field(default_factory=list)  # awaited primitives its frames' locals hold
+    timed: bool = False  # a timer of the loop will wake it (sleep, wait_for, asyncio.timeout)
+
+    def awaited(self) -> str:
+        """``Event.wait()``, ``a Future``, ``nothing known``: what it awaits, in words."""
+        if not self.call:
+            return "nothing known"
+        return f"a {self.call}" if self.awaits == "future" else self.call
+
+    def label(self) -> str:
+        """``task 'Task-2' (test_event)``."""
+        coro = self.coro.rpartition(".")[2]
+        return f"task {self.name!r}" + (f" ({coro})" if coro else "")
+
+
+@dataclass
+class EventLoop:
+    """A running asyncio event loop of a process and its pending tasks; the counts say what
+    could still wake it (-1: unknown, a loop of another kind than asyncio's own)."""
+
+    thread: str  # ident of the thread running it (as ``ThreadStack.ident``)
+    thread_name: str = ""
+    loop: str = ""  # its class
+    ready: int = 0  # callbacks ready to run
+    timers: int = 0  # timers not cancelled
+    fds: int = 0  # file descriptors it watches, its own self-pipe left out
+    #: loop.add_signal_handler's, and the process's own Python handlers (Ctrl-C's aside)
+    signal_handlers: int = 0
+    tasks: list[AsyncTask] = field(default_factory=list)
+    tasks_left_out: int = 0
+
+    def idle(self) -> bool:
+        """Nothing of the loop's own can wake it: no ready callback, timer, file, signal."""
+        return (self.ready, self.timers, self.fds, self.signal_handlers) == (0, 0, 0, 0)
+
+    def wakers(self) -> str:
+        """``2 timer(s), 1 file descriptor(s)``: what could still wake it, or ``nothing``."""
+        counts = [
+            (self.ready, "ready callback(s)"),
+            (self.timers, "timer(s)"),
+            (self.fds, "file descriptor(s)"),
+            (self.signal_handlers, "signal handler(s)"),
+        ]
+        said = [f"{n} {what}" if n >= 0 else f"unknown {what}" for n, what in counts if n]
+        return ", ".join(said) or "nothing"
+
+
 #: The parenthesis of a rank started by ``torch.multiprocessing.spawn`` (not a backend).
 SPAWNED = "torch.multiprocessing.spawn"
 TORCHRUN = "torchrun"
@@ -224,6 +287,7 @@ class ProcessReport:
     role_facts: Role | None = None  # the role as data; ``role`` is its text (set by diagnosis)
     libcuda: bool = False  # libcuda is mapped: the process has initialised CUDA
     stderr_tail: list[str] = field(default_factory=list)  # its last lines on sys.stderr, bounded
+    event_loops: list[EventLoop] = field(default_factory=list)  # running asyncio loops, tasks
 
     def role_data(self) -> Role:
         """The role as data: ``role_facts``, or, in a report built without them, ``role`` read."""
@@ -343,6 +407,8 @@ class HangReport:
         for proc in doc["processes"]:
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]
+            if not proc["event_loops"]:
+                del proc["event_loops"]
         doc["schema"] = "pytest-torchhang/hang-report"
         doc["schema_version"] = SCHEMA_VERSION
         return doc
@@ -382,12 +448,21 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
         for t in doc.get("tasks", [])
     ]
     fields["collectives"] = [Collective(**c) for c in doc.get("collectives", [])]
+    fields["event_loops"] = [_loop_from_json(loop) for loop in doc.get("event_loops", [])]
     facts = doc.get("role_facts")
     if facts:
         fields["role_facts"] = Role(**facts)
     elif "role_facts" not in doc:  # written before roles were data: read from its text
         fields["role_facts"] = Role.parse(doc.get("role", ""))
     return ProcessReport(**fields)
+
+
+def _loop_from_json(doc: dict[str, Any]) -> EventLoop:
+    tasks = [
+        AsyncTask(**{**t, "frames": [Frame(**f) for f in t.get("frames", [])]})
+        for t in doc.get("tasks", [])
+    ]
+    return EventLoop(**{**doc, "tasks": tasks})
 
 
 def _cap(block: str, limit: int) -> str:
@@ -479,8 +554,14 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
                 out.append(f"            {frame.line}")
         if thread.truncated:
             out.append("        ...")
+        for loop in proc.event_loops:  # the tasks it runs, below the loop's select
+            if same_thread(loop.thread, thread.ident):
+                out.extend(_loop_lines(loop, proc))
     if len(threads) > MAX_THREADS:
         out.append(f"    ... {len(threads) - MAX_THREADS} more thread(s) not shown")
+    for loop in proc.event_loops:
+        if not any(same_thread(loop.thread, t.ident) for t in threads[:MAX_THREADS]):
+            out.extend(_loop_lines(loop, proc))
     if own:
         names = ", ".join(proc.thread_roles.get(t.ident) or t.name or t.ident for t in own)
         out.append(f"    {len(own)} thread(s) of pytest-torchhang itself, not shown: {names}")
@@ -510,6 +591,48 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
         out.extend(f"        {line}" for line in proc.native.splitlines())
     out.extend(_stderr_lines(proc.stderr_tail))
     out.append("")
+    return out
+
+
+def same_thread(a: str, b: str) -> bool:
+    """Thread idents compare as numbers (faulthandler pads them with zeros)."""
+    try:
+        return int(a, 16) == int(b, 16)
+    except ValueError:
+        return a == b
+
+
+#: Tasks shown per loop in the text (the JSON keeps all that were read).
+MAX_TASKS_SHOWN = 20
+
+
+def _loop_lines(loop: EventLoop, proc: ProcessReport) -> list[str]:
+    """A loop's pending tasks, each with its coroutine stack, as ``python -m asyncio pstree``."""
+    main = next((t.ident for t in proc.threads if t.current), "")
+    in_main = same_thread(loop.thread, main)
+    where = "main thread" if in_main else "thread"
+    where += f" {loop.thread}" if loop.thread else ""
+    where += f' "{loop.thread_name}"' if loop.thread_name and not in_main else ""
+    left = max(len(loop.tasks) - MAX_TASKS_SHOWN, 0) + loop.tasks_left_out
+    out = [
+        f"    asyncio loop in {where} ({loop.loop}), {len(loop.tasks) + loop.tasks_left_out} "
+        f"pending task(s); what could still wake it: {loop.wakers()}"
+    ]
+    for task in loop.tasks[:MAX_TASKS_SHOWN]:
+        awaits = f"awaits {task.awaited()}" if task.state != "running" else "is running"
+        if task.awaits == "gather" and task.awaits_tasks:
+            awaits += " of " + ", ".join(repr(name) for name in task.awaits_tasks)
+        awaits += f" [{task.detail}]" if task.detail else ""
+        awaits += ", with a timeout" if task.timed else ""
+        if task.state == "running":
+            awaits += " (the stack of its loop's thread shows where)"
+        out.append(f"      {task.label()} {awaits} (most recent call first):")
+        for frame in task.frames:
+            out.append(f'        File "{frame.filename}", line {frame.lineno}, in {frame.name}')
+            if frame.line:
+                out.append(f"            {frame.line}")
+    if left > 0:
+        out.append(f"      ... {left} more task(s) not shown")
     return out
 
 
