@@ -106,6 +106,33 @@ def test_next_test_runs():
 """
 
 
+#: Four workers, of which one is stuck in __getitem__ and three go idle: the report names the odd
+#: one out (tests/unit/record.py records it for tests/unit/recorded_views/).
+ONE_STUCK_OF_FOUR = """
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class OneSlowIndex(Dataset):
+    \"\"\"Index 1 never returns: its worker waits in __getitem__, the other three go idle.\"\"\"
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        if index == 1:
+            time.sleep(3600)
+        return torch.tensor([index])
+
+
+def test_one_worker_of_four_hangs():
+    for _ in DataLoader(OneSlowIndex(), num_workers=4, multiprocessing_context="fork"):
+        pass
+"""
+
+
 def test_deadlocked_workers_a_lock_held_at_fork_and_a_silent_pipe_each_get_their_hint(
     guarded: GuardedRunner,
 ) -> None:
