@@ -331,6 +331,7 @@ def _explain(
     target: CaptureTarget, elapsed: float, reports: list[ProcessReport], notes: list[str]
 ) -> HangReport:
     """The report: the headline and the hints the diagnosis reads from the processes."""
+    hints = engine.hints(reports)
     return HangReport(
         test_id=target.test_id,
         timeout_s=target.timeout_s,
@@ -342,9 +343,10 @@ def _explain(
             reports,
             target.root_pid,
         ),
-        hints=engine.hints(reports),
+        hints=hints,
         processes=reports,
         notes=notes,
+        cause=engine.cause(hints, reports, target.root_pid),
     )
 
 
