@@ -90,6 +90,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "process, the tree on one CPU, jittered process start-up); changes timing, not semantics",
     )
     group.addoption(
+        "--torch-hang-rerun",
+        dest="torch_hang_rerun",
+        action="store_true",
+        default=False,
+        help="Run only the tests that hung or stalled last time (pytest's cache, as --lf), or "
+        "every test when none did",
+    )
+    group.addoption(
         settings.REPORT_DIR_OPTION,
         dest="torch_hang_report_dir",
         default=None,
@@ -130,6 +138,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from . import devices
     from .session import SessionState
 
+    from . import rerun
+
+    rerun.register(config, bool(config.getoption("torch_hang_rerun", False)))
     config.stash[_SESSION] = SessionState(config, session_settings, os.dup(2))
     config.pluginmanager.register(devices.DevicePlugin(config), "torchhang-devices")
     if session_settings.hunt:
@@ -274,15 +285,55 @@ def pytest_report_from_serializable(
 def pytest_report_teststatus(
     report: pytest.TestReport, config: pytest.Config
 ) -> tuple[str, str, str] | None:
+    """A hang counts as ``hang`` and a stall as ``stall`` on the summary line (``1 failed, 2
+    hang``), ``H``/``S`` in the progress and ``HANG``/``STALL`` in verbose mode. The report
+    stays failed: exit code 1, ``-x``, ``--maxfail`` and ``--lf`` treat it as a failure."""
     if not SUPPORTED or not report.failed:
         return None
     from .report import handoff
 
     if handoff.is_hang(report):
-        # like any failure outside the test body, a hang in setup or teardown counts as an error
-        category = "failed" if report.when == "call" else "error"
-        return category, "H", ("HANG", {"red": True, "bold": True})  # type: ignore[return-value]
+        category, letter, word = handoff.outcome(report)
+        # pytest >= 8.3 renders the (word, markup) form; its hookspec still types a str
+        return category, letter, (word, {"red": True, "bold": True})  # type: ignore[return-value]
     return None
+
+
+def _hang_reports(terminalreporter: pytest.TerminalReporter) -> list[pytest.TestReport]:
+    from .report import handoff
+
+    stats = terminalreporter.stats
+    found = [
+        r
+        for category in (*handoff.OUTCOMES, "failed", "error")
+        for r in stats.get(category, [])
+        if isinstance(r, pytest.TestReport) and handoff.is_hang(r)
+    ]
+    return list({id(r): r for r in found}.values())
+
+
+def _write_hang_sections(
+    terminalreporter: pytest.TerminalReporter, hangs: list[pytest.TestReport]
+) -> None:
+    """Each hang's report in full, as pytest writes a failure's in its FAILURES section (which
+    lists the "failed" category only)."""
+    from .report import handoff
+
+    config = terminalreporter.config
+    if config.option.tbstyle == "no":
+        return
+    terminalreporter.write_sep("=", "HANGS", red=True, bold=True)
+    showcapture = config.option.showcapture
+    for report in hangs:
+        terminalreporter.write_sep("_", handoff.section_title(report), red=True, bold=True)
+        report.toterminal(terminalreporter)  # type: ignore[arg-type]  # it calls .line() only
+        if showcapture == "no":
+            continue
+        for name, content in report.sections:
+            if showcapture != "all" and showcapture not in name:
+                continue
+            terminalreporter.write_sep("-", name)
+            terminalreporter.line(content[:-1] if content.endswith("\n") else content)
 
 
 def pytest_terminal_summary(
@@ -291,10 +342,15 @@ def pytest_terminal_summary(
     state = config.stash.get(_SESSION, None)
     stats = terminalreporter.stats
     hunter = _hunter(config)
-    failures = stats.get("failed", []) + stats.get("error", [])
+    failures = [*stats.get("failed", []), *stats.get("error", [])]
+    failures += [*stats.get("hang", []), *stats.get("stall", [])]
     if state is None or not (state.notes or state.leftovers or failures or hunter):
         return  # nothing to say (and nothing more to import)
     from .report import handoff
+
+    hangs = _hang_reports(terminalreporter)
+    if hangs:
+        _write_hang_sections(terminalreporter, hangs)
 
     write = terminalreporter.write_line
     if state.notes:
@@ -314,7 +370,6 @@ def pytest_terminal_summary(
         for line in hunter.summary_lines():
             write(line)
         hunter.write_json(state.settings.report_dir)
-    hangs = [r for r in failures if handoff.is_hang(r)]
     if not hangs:
         return
     terminalreporter.write_sep("=", "torch-hang summary", red=True, bold=True)
