@@ -141,6 +141,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from . import rerun
 
     rerun.register(config, bool(config.getoption("torch_hang_rerun", False)))
+    config.pluginmanager.register(_ShortSummary(), "torchhang-short-summary")
     config.stash[_SESSION] = SessionState(config, session_settings, os.dup(2))
     config.pluginmanager.register(devices.DevicePlugin(config), "torchhang-devices")
     if session_settings.hunt:
@@ -320,7 +321,7 @@ def _write_hang_sections(
     from .report import handoff
 
     config = terminalreporter.config
-    if config.option.tbstyle == "no":
+    if config.option.tbstyle == "no" or getattr(config.option, "no_summary", False):
         return
     terminalreporter.write_sep("=", "HANGS", red=True, bold=True)
     showcapture = config.option.showcapture
@@ -387,6 +388,43 @@ def pytest_terminal_summary(
             problem = views.append_job_summary(summary, hang) if hang is not None else None
             if problem:
                 write(f"torch-hang: {problem}")
+
+
+#: pytest's report characters (``-r``) and the categories whose lines they add to its short
+#: summary: pytest writes the summary's title only when one of them has a line.
+_REPORTCHARS = {"f": "failed", "E": "error", "s": "skipped", "x": "xfailed", "X": "xpassed"}
+
+
+class _ShortSummary:
+    """Hangs in pytest's short test summary (``HANG test_x.py::test_x - HANG after ...``),
+    which lists its own categories only: written just after it, by a wrapper around pytest's."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_terminal_summary(
+        self, terminalreporter: pytest.TerminalReporter
+    ) -> Generator[None, None, None]:
+        try:
+            return (yield)
+        finally:
+            self._write(terminalreporter)
+
+    @staticmethod
+    def _write(terminalreporter: pytest.TerminalReporter) -> None:
+        chars = terminalreporter.reportchars
+        if "f" not in chars or getattr(terminalreporter.config.option, "no_summary", False):
+            return
+        hangs = _hang_reports(terminalreporter)
+        if not hangs:
+            return
+        from .report import handoff
+
+        stats = terminalreporter.stats
+        if not any(stats.get(_REPORTCHARS[c]) for c in chars if c in _REPORTCHARS):
+            # pytest wrote no title: it had no line of its own
+            terminalreporter.write_sep("=", "short test summary info", cyan=True, bold=True)
+        for report in hangs:
+            word = handoff.outcome(report)[2]
+            terminalreporter.write_line(f"{word} {report.nodeid} - {handoff.headline(report)}")
 
 
 @pytest.fixture

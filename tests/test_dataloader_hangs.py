@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from conftest import GuardedRunner, assert_hang
+from outcomes import assert_outcomes
 
 DEADLOCKED_WORKERS = '''
 import os
@@ -170,6 +171,36 @@ def test_deadlocked_workers_a_lock_held_at_fork_and_a_silent_pipe_each_get_their
         "*return os.read(READ_FD, 1)",
         "hint: 1 process(es) block reading a pipe*",
     )
+    session.assert_clean()
+
+
+def test_of_four_workers_the_one_stuck_in_getitem_is_named_first_and_the_idle_three_folded(
+    guarded: GuardedRunner,
+) -> None:
+    guarded.pytester.makepyfile(test_odd=ONE_STUCK_OF_FOUR)
+    session = guarded.run(timeout=3)
+    assert_outcomes(session.result, hang=1)
+    report = assert_hang(
+        session,
+        "test_one_worker_of_four_hangs",
+        "HANG after * 5 processes, DataLoader worker ?/4 (dataset OneSlowIndex) (pid *) stuck in "
+        "__getitem__ (3 other DataLoader workers wait in _worker_loop -> queues.get*)",
+        "processes, the odd one out first:",
+        "  3 DataLoader workers (pids *, *, *): _worker_loop -> queues.get*",
+        "    the same stacks, shown once: pid * [[]DataLoader worker ?/4[]], pid * [[]*",
+        "*time.sleep(3600)",
+        "        ... multiprocessing's start-up frames cut",
+    )
+    lines = report.splitlines()
+    first = lines[2] if lines[1].startswith("[gw") else lines[1]
+    stuck = next(line for line in lines if line.startswith("--- process "))
+    # the first block is the stuck worker's, the three idle ones are one block
+    assert "(dataset OneSlowIndex)" in stuck and stuck.split()[2] in first, (stuck, first)
+    assert sum(line.startswith("--- process ") for line in lines) == 3  # stuck, pytest, idle
+    assert "multiprocessing/popen_fork.py" not in report  # the fork's frames are cut
+    # the plugin's own threads in pytest (the /proc reader) are one line, not a stack
+    assert "thread(s) of pytest-torchhang itself not shown:" in report
+    assert "pytest_torchhang/capture/procfs.py" not in report
     session.assert_clean()
 
 
