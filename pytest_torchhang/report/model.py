@@ -348,6 +348,8 @@ class HangReport:
         # document written before they were kept.
         if not doc["gone_stderr"]:
             del doc["gone_stderr"]
+        if not doc["cause"]:  # no hint matched (or written before the cause was kept)
+            del doc["cause"]
         for proc in doc["processes"]:
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]
