@@ -142,7 +142,7 @@ def test_deadlocked_workers_a_lock_held_at_fork_and_a_silent_pipe_each_get_their
         test_loader=DEADLOCKED_WORKERS, test_fork_lock=FORK_LOCK, test_pipe=PIPE_READER
     )
     session = guarded.run(timeout=3)
-    session.result.assert_outcomes(failed=5, passed=3)
+    assert_outcomes(session.result, hang=5, passed=3)
     for context in ("fork", "spawn", "forkserver"):
         report = assert_hang(
             session,
@@ -243,7 +243,7 @@ def test_file_system_sharing_leaves_no_segment_behind(guarded: GuardedRunner) ->
     # spared (killing it would make freeing the batch abort pytest) and cleans up at exit.
     guarded.pytester.makepyfile(test_fs=FILE_SYSTEM_SHARING)
     session = guarded.run(timeout=3)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_hang(
         session,
         "test_hangs_after_the_first_batch",
