@@ -175,14 +175,16 @@ class StackGroup:
         return f"{self.who()}: {self.where}" if self.where else self.who()
 
 
-#: Pids named in one line; the rest are counted.
+#: Pids named in a group's summary line; the rest are counted (its block names them all, up to
+#: ``MAX_BLOCK_PIDS``).
 MAX_PIDS = 16
+MAX_BLOCK_PIDS = 1024
 
 
-def pid_list(pids: list[int]) -> str:
-    """``1, 2, 3``, or the first 16 and ``+48 more``."""
-    shown = ", ".join(map(str, pids[:MAX_PIDS]))
-    return shown + (f" +{len(pids) - MAX_PIDS} more" if len(pids) > MAX_PIDS else "")
+def pid_list(pids: list[int], limit: int = MAX_PIDS) -> str:
+    """``1, 2, 3``, or the first ``limit`` and ``+48 more``."""
+    shown = ", ".join(map(str, pids[:limit]))
+    return shown + (f" +{len(pids) - limit} more" if len(pids) > limit else "")
 
 
 _IRREGULAR = {"child": "children", "process": "processes"}

@@ -449,9 +449,10 @@ def _same_as(others: list[ProcessReport]) -> list[str]:
     named = ", ".join(f"pid {p.pid} [{p.role}]" for p in others[:MAX_NAMED])
     rest = others[MAX_NAMED:]
     if rest:
-        from .groups import pid_list
+        from .groups import MAX_BLOCK_PIDS, pid_list
 
-        named += f", and {len(rest)} more (pids {pid_list([p.pid for p in rest])})"
+        pids = pid_list([p.pid for p in rest], MAX_BLOCK_PIDS)
+        named += f", and {len(rest)} more (pids {pids})"
     return [f"    the same stacks, shown once: {named}"]
 
 
