@@ -135,10 +135,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "gpu(count=1): needs count CUDA GPUs (pytest-torchhang)")
         config.addinivalue_line("markers", "cpu: must not touch a GPU (pytest-torchhang)")
         return
-    from . import devices
+    from . import devices, rerun
     from .session import SessionState
-
-    from . import rerun
 
     rerun.register(config, bool(config.getoption("torch_hang_rerun", False)))
     config.pluginmanager.register(_ShortSummary(), "torchhang-short-summary")

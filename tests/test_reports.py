@@ -310,6 +310,6 @@ def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
         "Flight recorder: rank 0/2 completed #1 all_reduce([[]4[]]) and is in #2 all_reduce([[]8[]]);"
         " rank 1/2 completed #1 all_reduce([[]4[]]) and is in #2 barrier.",
         "    collectives (flight recorder, oldest first):",
-        "        #2 barrier NOT COMPLETED [[]default_pg[]]",
+        "        #2 barrier on process group 'default_pg' NOT COMPLETED",
     )
     session.assert_clean()

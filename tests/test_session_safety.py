@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import GuardedRunner, assert_hang
-from outcomes import assert_outcomes
 from matrix_scenarios import LATE_S
+from outcomes import assert_outcomes
 from pytest_torchhang.exceptions import HangError, make_renderable
 
 # --- tracebacks pytest can always render -----------------------------------------------------
