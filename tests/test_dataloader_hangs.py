@@ -134,6 +134,40 @@ def test_one_worker_of_four_hangs():
 """
 
 
+#: The other way round: three workers deadlock in __getitem__ and one goes idle. The idle one
+#: differs from the crowd, but the crowd is the story: the headline must not name the idle one.
+THREE_STUCK_ONE_IDLE = """
+import threading
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+_LOCK = None
+
+
+class MostIndicesDeadlock(Dataset):
+    \"\"\"Every index but those of worker 0 takes a plain lock twice.\"\"\"
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        global _LOCK
+        if _LOCK is None:
+            _LOCK = threading.Lock()
+        if index % 4:
+            with _LOCK:
+                with _LOCK:
+                    pass
+        return torch.tensor([index])
+
+
+def test_three_workers_of_four_deadlock():
+    for _ in DataLoader(MostIndicesDeadlock(), num_workers=4, multiprocessing_context="fork"):
+        pass
+"""
+
+
 def test_deadlocked_workers_a_lock_held_at_fork_and_a_silent_pipe_each_get_their_hint(
     guarded: GuardedRunner,
 ) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from ..report import groups
 from ..report.model import Hint, ProcessReport
+from .frames import waits_in_user_code
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
 from .rules.distributed import hint_collectives, hint_rank_gone
 from .rules.loading import (
@@ -78,7 +79,8 @@ def odd_one_out(
 ) -> tuple[groups.StackGroup, groups.StackGroup] | None:
     """The outlier the headline names, with the crowd of its peers it differs from: of the
     roles whose processes mostly share one stack, the one with the largest crowd; None when no
-    role has a crowd and an outlier (every worker the same, or two ranks that each differ)."""
+    role has a crowd and an outlier (every worker the same, or two ranks that each differ), or
+    when the crowd waits in the user's code and the outlier does not."""
     stuck = {p.pid for p in _stuck_children(processes, root_pid)}
     found = groups.group_processes([p for p in processes if p.pid in stuck])
     crowds = {g.role: g for g in found if g.crowd}
@@ -86,7 +88,13 @@ def odd_one_out(
     if not outliers:
         return None
     outlier = max(outliers, key=lambda g: len(crowds[g.role].processes))
-    return outlier, crowds[outlier.role]
+    crowd = crowds[outlier.role]
+    # The crowd is taken to be waiting, the outlier to be the story: not when the crowd waits in
+    # the user's code and the outlier only in a library (three workers deadlocked in
+    # __getitem__, one idle in its loop: naming the idle one would be confidently wrong).
+    if waits_in_user_code(crowd.processes[0]) and not waits_in_user_code(outlier.processes[0]):
+        return None
+    return outlier, crowd
 
 
 def culprits(processes: list[ProcessReport], root_pid: int) -> list[int]:

@@ -48,6 +48,11 @@ VIEWS = {
         "ONE_STUCK_OF_FOUR",
         "test_one_worker_of_four_hangs",
     ),
+    "dataloader_three_stuck_one_idle": (
+        "test_dataloader_hangs",
+        "THREE_STUCK_ONE_IDLE",
+        "test_three_workers_of_four_deadlock",
+    ),
 }
 
 #: The scenarios kept, one or more per rule family (labels: tests/test_diagnosis_corpus.py).

@@ -183,3 +183,16 @@ def test_a_child_is_cut_at_its_entry_and_a_parent_starting_one_keeps_its_launch(
 )
 def test_a_group_of_a_role_reads_in_the_plural(role: str, many: str) -> None:
     assert groups.plural(role) == many
+
+
+def test_three_workers_deadlocked_in_getitem_are_the_story_not_the_idle_fourth() -> None:
+    # recorded when the headline still named the outlier whatever it did: "DataLoader worker
+    # 0/4 (pid N) stuck in select (3 other DataLoader workers wait in ... __getitem__)"
+    hang = recorded("dataloader_three_stuck_one_idle")
+    assert " stuck in select (3 other DataLoader workers wait in " in hang.headline
+    assert headline(hang).endswith("5 processes, 3 stuck in DataLoader worker __getitem__")
+    assert engine.odd_one_out(hang.processes, root_pid(hang)) is None
+    stuck = [p.pid for p in hang.processes if "MostIndicesDeadlock" in p.role]
+    assert sorted(engine.culprits(hang.processes, root_pid(hang))) == sorted(stuck)
+    # the text still folds the three into one block
+    assert len(blocks(hang.to_text())) == 3
