@@ -53,7 +53,8 @@ def cut_startup(frames: list[Frame]) -> list[Frame]:
     for i, frame in enumerate(frames):
         if _in(frame, _CHILD_ENTRY):
             keep = frames[:i]
-            while keep and _in(keep[-1], _ENTRY_SHELL):
+            # a target that is a C function (time.sleep) waits in run: that frame stays
+            while len(keep) > 1 and _in(keep[-1], _ENTRY_SHELL):
                 keep = keep[:-1]
             return [*keep, Frame(STARTUP_CUT, 0, "... multiprocessing's start-up frames cut")]
     cut = len(frames)

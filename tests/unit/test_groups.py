@@ -169,6 +169,11 @@ def test_a_child_is_cut_at_its_entry_and_a_parent_starting_one_keeps_its_launch(
         Frame("/t/test_x.py", 20, "test_x"),
     ]
     assert groups.cut_startup(parent) == parent  # a hang while starting a child stays visible
+    in_c = child[1:]  # Process(target=time.sleep): the child waits in run itself
+    assert [f.name for f in groups.cut_startup(in_c)] == [
+        "run",
+        "... multiprocessing's start-up frames cut",
+    ]
 
 
 @pytest.mark.parametrize(
