@@ -9,6 +9,7 @@ is waiting, the outliers are where to look). Rendering only: the JSON keeps ever
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 from .model import Collective, Frame, ProcessReport, ThreadStack
@@ -103,10 +104,19 @@ def collective_text(collective: Collective) -> str:
     return f"{collective.label()}{group}"
 
 
+_NUMBERS = re.compile(r"\d+")
+
+
+def _program(text: str) -> str:
+    """A command line or a native dump without its numbers: spawn children of one parent differ
+    by ``pipe_handle=N`` only, two different scripts by their text."""
+    return _NUMBERS.sub("#", text)
+
+
 def stack_key(proc: ProcessReport) -> tuple[object, ...]:
-    """What makes two processes the same: role (its kind), their threads' stacks (the plugin's
-    own threads left out), the collective they wait in with its group, how they ended, and
-    what they wrote to stderr."""
+    """What makes two processes the same: role (its kind), the program (its command line, but
+    for numbers), their threads' stacks (the plugin's own threads left out), the collective
+    they wait in with its group, how they ended, native stacks, and what they wrote to stderr."""
     threads = [t for t in proc.threads if not is_plugin_thread(t)]
     main = main_thread(proc)
     others = sorted(thread_key(t) for t in threads if t is not main)
@@ -114,12 +124,14 @@ def stack_key(proc: ProcessReport) -> tuple[object, ...]:
     native = () if proc.threads else tuple(sorted((t.call, t.wchan) for t in proc.tasks))
     return (
         proc.role_data().general(),
+        _program(proc.cmdline),
         thread_key(main) if main is not None else (),
         tuple(others),
         (waiting.name, waiting.group) if waiting is not None else None,
         proc.exit_status.split(" ")[0] if proc.exit_status else "",
         proc.dump_status == "ok",
         native,
+        _program(proc.native),
         tuple(proc.stderr_tail),  # its own last words: never folded into another's
     )
 

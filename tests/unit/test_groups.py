@@ -3,6 +3,7 @@ outlier, and the one-screen text, on hang reports recorded from real hangs."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import re
@@ -201,3 +202,21 @@ def test_three_workers_deadlocked_in_getitem_are_the_story_not_the_idle_fourth()
     assert sorted(engine.culprits(hang.processes, root_pid(hang))) == sorted(stuck)
     # the text still folds the three into one block
     assert len(blocks(hang.to_text())) == 3
+
+
+def test_two_programs_with_the_same_frames_stay_apart_and_spawn_handles_do_not_matter() -> None:
+    # two copies of one recorded idle worker: as two scripts whose <module> frames read alike
+    # (fault matrix: a SIGTERM-ignoring child and an orphan), and as two spawn children
+    hang = recorded("dataloader_one_stuck_of_four")
+    worker = next(p for p in hang.processes if p.role == "DataLoader worker 0/4")
+    apart = [
+        dataclasses.replace(worker, pid=1, cmdline="python -c import signal; sleep()"),
+        dataclasses.replace(worker, pid=2, cmdline="python -c import os; os.fork(); sleep()"),
+    ]
+    assert len(groups.group_processes(apart)) == 2
+    spawned = "python -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle={})"
+    together = [
+        dataclasses.replace(worker, pid=n, cmdline=spawned.format(n + 10)) for n in (1, 2, 3)
+    ]
+    (group,) = groups.group_processes(together)
+    assert group.pids == [1, 2, 3]
