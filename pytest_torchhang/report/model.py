@@ -14,6 +14,8 @@ MAX_TEXT_CHARS = 200_000
 #: Upper bound on one process's block in the text, and on the threads shown per process.
 MAX_BLOCK_CHARS = 40_000
 MAX_THREADS = 40
+#: Lines of the table of process groups at the top of the text.
+MAX_GROUP_LINES = 12
 
 
 @dataclass(frozen=True)
@@ -288,12 +290,14 @@ class HangReport:
         found = groups.group_processes(self.processes)
         if len(found) > 1 or any(len(g.processes) > 1 for g in found):
             out.append("processes, the odd one out first:")
-            for group in found:
+            for group in found[:MAX_GROUP_LINES]:
                 peers = next((g for g in found if g.crowd and g.role == group.role), None)
                 odd = ""
                 if group.outlier and peers is not None:
                     odd = f"  <- differs from {len(peers.processes)} identical"
                 out.append(f"  {group.line()}{odd}")
+            if len(found) > MAX_GROUP_LINES:
+                out.append(f"  ... and {len(found) - MAX_GROUP_LINES} more (below)")
             out.append("")
         head = "\n".join(out)
         tail = self._kill_summary()
