@@ -347,6 +347,7 @@ def _explain(
         processes=reports,
         notes=notes,
         cause=engine.cause(hints, reports, target.root_pid),
+        culprits=engine.culprits(reports, target.root_pid),
     )
 
 

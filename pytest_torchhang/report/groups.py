@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .model import Collective, Frame, ProcessReport, ThreadStack
@@ -217,11 +218,14 @@ def _is_background(proc: ProcessReport) -> bool:
     return any(word in proc.role for word in HELPERS) or proc.role_data().kind.startswith(HELPERS)
 
 
-def group_processes(processes: list[ProcessReport]) -> list[StackGroup]:
-    """The processes in groups of identical stacks, in reading order: the outliers of a role
-    whose peers mostly agree first, then every other distinct process (the test's own, in tree
-    order), then the crowds, then helpers and context. Within a role, the crowd is the largest
-    group of identical stacks, of two or more, larger than any other of that role."""
+def group_processes(
+    processes: list[ProcessReport], culprits: Collection[int] = ()
+) -> list[StackGroup]:
+    """The processes in groups of identical stacks, in reading order: the groups of the
+    ``culprits`` the headline names first when given, else the outliers of a role whose peers
+    mostly agree; then every other distinct process (the test's own, in tree order), then the
+    crowds, then helpers and context. Within a role, the crowd is the largest group of
+    identical stacks, of two or more, larger than any other of that role."""
     groups: dict[tuple[object, ...], StackGroup] = {}
     for proc in processes:
         key = stack_key(proc)
@@ -237,10 +241,12 @@ def group_processes(processes: list[ProcessReport]) -> list[StackGroup]:
             for group in peers:
                 group.outlier = group is not biggest
 
+    named = set(culprits)
+
     def rank(group: StackGroup) -> int:
         if all(_is_background(p) for p in group.processes):
             return 3
-        if group.outlier:
+        if named.intersection(group.pids) or (group.outlier and not named):
             return 0
         return 2 if group.crowd else 1
 

@@ -275,6 +275,9 @@ class HangReport:
     #: The headline's hint: the text of the first hint about the process the headline names;
     #: empty when no known pattern matched.
     cause: str = ""
+    #: The processes the headline names (the odd one out, else the largest stuck group): their
+    #: blocks come first in the text.
+    culprits: list[int] = field(default_factory=list)
 
     def to_text(self) -> str:
         """The report as a user reads it in the terminal, a failure message or a log."""
@@ -287,7 +290,7 @@ class HangReport:
         out.append("")
         from . import groups  # groups reads this module's types
 
-        found = groups.group_processes(self.processes)
+        found = groups.group_processes(self.processes, self.culprits)
         if len(found) > 1 or any(len(g.processes) > 1 for g in found):
             out.append("processes, the odd one out first:")
             for group in found[:MAX_GROUP_LINES]:
@@ -354,6 +357,8 @@ class HangReport:
             del doc["gone_stderr"]
         if not doc["cause"]:  # no hint matched (or written before the cause was kept)
             del doc["cause"]
+        if not doc["culprits"]:
+            del doc["culprits"]
         for proc in doc["processes"]:
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]

@@ -220,3 +220,13 @@ def test_two_programs_with_the_same_frames_stay_apart_and_spawn_handles_do_not_m
     ]
     (group,) = groups.group_processes(together)
     assert group.pids == [1, 2, 3]
+
+
+def test_the_processes_the_headline_names_come_first_in_the_text() -> None:
+    # the capture stores the headline's processes: the deadlocked three lead, not the idle one
+    hang = recorded("dataloader_three_stuck_one_idle")
+    hang.culprits = engine.culprits(hang.processes, root_pid(hang))
+    first = blocks(hang.to_text())[0]
+    assert "(dataset MostIndicesDeadlock)" in first, first
+    again = HangReport.from_json(json.loads(json.dumps(hang.to_json())))
+    assert again.culprits == hang.culprits and again.to_text() == hang.to_text()
