@@ -97,6 +97,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "process, the tree on one CPU, jittered process start-up); changes timing, not semantics",
     )
     group.addoption(
+        "--torch-hang-rerun",
+        dest="torch_hang_rerun",
+        action="store_true",
+        default=False,
+        help="Run only the tests that hung or stalled last time (pytest's cache, as --lf), or "
+        "every test when none did",
+    )
+    group.addoption(
         settings.REPORT_DIR_OPTION,
         dest="torch_hang_report_dir",
         default=None,
@@ -134,9 +142,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "gpu(count=1): needs count CUDA GPUs (pytest-torchhang)")
         config.addinivalue_line("markers", "cpu: must not touch a GPU (pytest-torchhang)")
         return
-    from . import debuggers, devices
+    from . import debuggers, devices, rerun
     from .session import SessionState
 
+    rerun.register(config, bool(config.getoption("torch_hang_rerun", False)))
+    config.pluginmanager.register(_ShortSummary(), "torchhang-short-summary")
     config.stash[_SESSION] = SessionState(config, session_settings, os.dup(2))
     config.stash[_NO_DEBUGGER_DETECTION] = debuggers.detection_disabled(config)
     config.pluginmanager.register(devices.DevicePlugin(config), "torchhang-devices")
@@ -324,15 +334,55 @@ def pytest_report_from_serializable(
 def pytest_report_teststatus(
     report: pytest.TestReport, config: pytest.Config
 ) -> tuple[str, str, str] | None:
+    """A hang counts as ``hang`` and a stall as ``stall`` on the summary line (``1 failed, 2
+    hang``), ``H``/``S`` in the progress and ``HANG``/``STALL`` in verbose mode. The report
+    stays failed: exit code 1, ``-x``, ``--maxfail`` and ``--lf`` treat it as a failure."""
     if not SUPPORTED or not report.failed:
         return None
     from .report import handoff
 
     if handoff.is_hang(report):
-        # like any failure outside the test body, a hang in setup or teardown counts as an error
-        category = "failed" if report.when == "call" else "error"
-        return category, "H", ("HANG", {"red": True, "bold": True})  # type: ignore[return-value]
+        category, letter, word = handoff.outcome(report)
+        # pytest >= 8.3 renders the (word, markup) form; its hookspec still types a str
+        return category, letter, (word, {"red": True, "bold": True})  # type: ignore[return-value]
     return None
+
+
+def _hang_reports(terminalreporter: pytest.TerminalReporter) -> list[pytest.TestReport]:
+    from .report import handoff
+
+    stats = terminalreporter.stats
+    found = [
+        r
+        for category in (*handoff.OUTCOMES, "failed", "error")
+        for r in stats.get(category, [])
+        if isinstance(r, pytest.TestReport) and handoff.is_hang(r)
+    ]
+    return list({id(r): r for r in found}.values())
+
+
+def _write_hang_sections(
+    terminalreporter: pytest.TerminalReporter, hangs: list[pytest.TestReport]
+) -> None:
+    """Each hang's report in full, as pytest writes a failure's in its FAILURES section (which
+    lists the "failed" category only)."""
+    from .report import handoff
+
+    config = terminalreporter.config
+    if config.option.tbstyle == "no" or getattr(config.option, "no_summary", False):
+        return
+    terminalreporter.write_sep("=", "HANGS", red=True, bold=True)
+    showcapture = config.option.showcapture
+    for report in hangs:
+        terminalreporter.write_sep("_", handoff.section_title(report), red=True, bold=True)
+        report.toterminal(terminalreporter)  # type: ignore[arg-type]  # it calls .line() only
+        if showcapture == "no":
+            continue
+        for name, content in report.sections:
+            if showcapture != "all" and showcapture not in name:
+                continue
+            terminalreporter.write_sep("-", name)
+            terminalreporter.line(content[:-1] if content.endswith("\n") else content)
 
 
 def pytest_terminal_summary(
@@ -341,12 +391,17 @@ def pytest_terminal_summary(
     state = config.stash.get(_SESSION, None)
     stats = terminalreporter.stats
     hunter = _hunter(config)
-    failures = stats.get("failed", []) + stats.get("error", [])
+    failures = [*stats.get("failed", []), *stats.get("error", [])]
+    failures += [*stats.get("hang", []), *stats.get("stall", [])]
     if state is None or not (
         state.notes or state.leftovers or failures or hunter or stats.get("rerun")
     ):
         return  # nothing to say (and nothing more to import)
     from .report import handoff
+
+    hangs = _hang_reports(terminalreporter)
+    if hangs:
+        _write_hang_sections(terminalreporter, hangs)
 
     write = terminalreporter.write_line
     if state.notes:
@@ -366,7 +421,6 @@ def pytest_terminal_summary(
         for line in hunter.summary_lines():
             write(line)
         hunter.write_json(state.settings.report_dir)
-    hangs = [r for r in failures if handoff.is_hang(r)]
     # pytest-rerunfailures: an attempt that hung and was run again is a "rerun", not a failure
     reruns = [r for r in stats.get("rerun", []) if handoff.is_hang(r)]
     if not hangs and not reruns:
@@ -388,6 +442,43 @@ def pytest_terminal_summary(
             problem = views.append_job_summary(summary, hang) if hang is not None else None
             if problem:
                 write(f"torch-hang: {problem}")
+
+
+#: pytest's report characters (``-r``) and the categories whose lines they add to its short
+#: summary: pytest writes the summary's title only when one of them has a line.
+_REPORTCHARS = {"f": "failed", "E": "error", "s": "skipped", "x": "xfailed", "X": "xpassed"}
+
+
+class _ShortSummary:
+    """Hangs in pytest's short test summary (``HANG test_x.py::test_x - HANG after ...``),
+    which lists its own categories only: written just after it, by a wrapper around pytest's."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_terminal_summary(
+        self, terminalreporter: pytest.TerminalReporter
+    ) -> Generator[None, None, None]:
+        try:
+            return (yield)
+        finally:
+            self._write(terminalreporter)
+
+    @staticmethod
+    def _write(terminalreporter: pytest.TerminalReporter) -> None:
+        chars = terminalreporter.reportchars
+        if "f" not in chars or getattr(terminalreporter.config.option, "no_summary", False):
+            return
+        hangs = _hang_reports(terminalreporter)
+        if not hangs:
+            return
+        from .report import handoff
+
+        stats = terminalreporter.stats
+        if not any(stats.get(_REPORTCHARS[c]) for c in chars if c in _REPORTCHARS):
+            # pytest wrote no title: it had no line of its own
+            terminalreporter.write_sep("=", "short test summary info", cyan=True, bold=True)
+        for report in hangs:
+            word = handoff.outcome(report)[2]
+            terminalreporter.write_line(f"{word} {report.nodeid} - {handoff.headline(report)}")
 
 
 @pytest.fixture

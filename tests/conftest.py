@@ -246,9 +246,9 @@ class Session:
         assert not self.new_tmp, f"multiprocessing temp dirs left in TMPDIR: {self.new_tmp}"
 
     def report_of(self, test_name: str) -> str:
-        """The failure text of one test in the FAILURES section."""
+        """The failure text of one test in the FAILURES section, or its hang's in HANGS."""
         out = self.result.stdout.str()
-        match = re.search(rf"_ (ERROR at \w+ of )?{re.escape(test_name)} _", out)
+        match = re.search(rf"_ ((?:ERROR|HANG|STALL) at \w+ of )?{re.escape(test_name)} _", out)
         assert match, f"no failure section for {test_name}"
         start = match.start()
         end = out.find("\n____", start + 1)

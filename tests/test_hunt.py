@@ -7,6 +7,7 @@ import json
 import pytest
 
 from conftest import GuardedRunner
+from outcomes import assert_outcomes
 
 RACES = """
 import os
@@ -187,4 +188,4 @@ def test_sees_the_pressure():
 def test_stress_changes_timing_in_every_process_of_the_tree(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_stressed=STRESSED)
     session = guarded.run("--torch-hang-hunt=3", "--torch-hang-hunt-stress", timeout=30)
-    session.result.assert_outcomes(passed=3)
+    assert_outcomes(session.result, passed=3)

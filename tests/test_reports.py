@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GuardedRunner, assert_hang
+from outcomes import assert_outcomes
 
 HANG_AND_PASS = """
 import threading
@@ -53,7 +54,7 @@ def test_junit_xml_json_files_the_terminal_and_github_actions_carry_the_hang(
     junit = guarded.pytester.path / "junit.xml"
     reports = guarded.pytester.path / "reports"
     session = guarded.run(f"--junitxml={junit}", f"--torch-hang-report-dir={reports}", timeout=2)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     out = session.result.stdout.str()
     # terminal: the status word, the summary section, the headline in the short summary
     session.result.stdout.fnmatch_lines(
@@ -107,7 +108,7 @@ def test_under_xdist_the_controller_prints_the_workers_full_report(guarded: Guar
     session = guarded.run(
         "-n", "2", f"--junitxml={junit}", f"--torch-hang-report-dir={reports}", timeout=2
     )
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_hang(
         session,
         "test_hangs",
@@ -147,7 +148,7 @@ def test_next_test_runs():
 def test_pytest_timeout_deadlines_get_the_whole_tree_report(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_pt=PYTEST_TIMEOUT)
     session = guarded.run("--timeout=2", timeout=None)
-    session.result.assert_outcomes(failed=2, passed=1)
+    assert_outcomes(session.result, hang=2, passed=1)
     assert_hang(session, "test_uses_pytest_timeouts_option", "HANG after 2.*", "*time.sleep(1000)*")
     assert_hang(
         session, "test_uses_pytest_timeouts_marker", "HANG after 1.*", "cleanup: killed 1 process*"
@@ -159,7 +160,7 @@ def test_pytest_timeout_deadlines_get_the_whole_tree_report(guarded: GuardedRunn
 def test_with_both_timeouts_the_earlier_deadline_applies(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_pt=PYTEST_TIMEOUT)
     session = guarded.run("--timeout=30", timeout=1.5)
-    session.result.assert_outcomes(failed=2, passed=1)
+    assert_outcomes(session.result, hang=2, passed=1)
     assert_hang(session, "test_uses_pytest_timeouts_option", "HANG after 1.*")
     session.assert_clean()
 
@@ -178,7 +179,7 @@ def test_no_hang_is_declared_while_the_user_is_in_pdb(guarded: GuardedRunner) ->
     guarded.pytester.makepyfile(test_pdb=PDB)
     guarded.monkeypatch.setenv("PYTHONBREAKPOINT", "")
     session = guarded.run(timeout=1, stdin=b"continue\n")
-    session.result.assert_outcomes(passed=1)
+    assert_outcomes(session.result, passed=1)
     assert "HANG" not in session.result.stdout.str()
 
 
@@ -292,7 +293,7 @@ def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
     guarded.pytester.makepyfile(test_waits=WAITS_AND_COLLECTIVES)
     reports = guarded.pytester.path / "reports"
     session = guarded.run(f"--torch-hang-report-dir={reports}", timeout=3)
-    session.result.assert_outcomes(failed=2)
+    assert_outcomes(session.result, hang=2)
     text = assert_hang(
         session,
         "test_child_reads_what_the_test_never_writes",
@@ -329,6 +330,6 @@ def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
         "Flight recorder: rank 0/2 completed #1 all_reduce([[]4[]]) and is in #2 all_reduce([[]8[]]);"
         " rank 1/2 completed #1 all_reduce([[]4[]]) and is in #2 barrier.",
         "    collectives (flight recorder, oldest first):",
-        "        #2 barrier NOT COMPLETED [[]default_pg[]]",
+        "        #2 barrier on process group 'default_pg' NOT COMPLETED",
     )
     session.assert_clean()

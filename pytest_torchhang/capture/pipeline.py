@@ -351,6 +351,7 @@ def _explain(
     target: CaptureTarget, elapsed: float, reports: list[ProcessReport], notes: list[str]
 ) -> HangReport:
     """The report: the headline and the hints the diagnosis reads from the processes."""
+    hints = engine.hints(reports)
     return HangReport(
         test_id=target.test_id,
         timeout_s=target.timeout_s,
@@ -362,9 +363,11 @@ def _explain(
             reports,
             target.root_pid,
         ),
-        hints=engine.hints(reports),
+        hints=hints,
         processes=reports,
         notes=notes,
+        cause=engine.cause(hints, reports, target.root_pid),
+        culprits=engine.culprits(reports, target.root_pid),
     )
 
 

@@ -156,6 +156,13 @@ def stuck_task(proc: ProcessReport, thread: ThreadStack) -> AsyncTask | None:
     return None
 
 
+def waits_in_user_code(proc: ProcessReport) -> bool:
+    """The main thread waits in the user's code: a frame of it among the innermost, as
+    :func:`stuck_at` looks for one (a worker idle in its loop waits in library code only)."""
+    main = main_thread(proc)
+    return main is not None and any(not is_library(f) for f in main.frames[:_USER_FRAME_WINDOW])
+
+
 def pending_collective(proc: ProcessReport) -> Collective | None:
     """The rank's oldest flight-recorder entry that has not completed: where it waits."""
     return next((c for c in proc.collectives if not c.completed), None)

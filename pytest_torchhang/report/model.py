@@ -15,6 +15,8 @@ MAX_TEXT_CHARS = 200_000
 #: Upper bound on one process's block in the text, and on the threads shown per process.
 MAX_BLOCK_CHARS = 40_000
 MAX_THREADS = 40
+#: Lines of the table of process groups at the top of the text.
+MAX_GROUP_LINES = 12
 
 
 @dataclass(frozen=True)
@@ -335,6 +337,12 @@ class HangReport:
     progress: dict[str, Any] = field(default_factory=dict)  # a stall's progress, bounded
     #: Processes of the tree gone (and reaped) before the capture that wrote to their stderr.
     gone_stderr: list[StderrTail] = field(default_factory=list)
+    #: The headline's hint: the text of the first hint about the process the headline names;
+    #: empty when no known pattern matched.
+    cause: str = ""
+    #: The processes the headline names (the odd one out, else the largest stuck group): their
+    #: blocks come first in the text.
+    culprits: list[int] = field(default_factory=list)
 
     def to_text(self) -> str:
         """The report as a user reads it in the terminal, a failure message or a log."""
@@ -345,6 +353,20 @@ class HangReport:
         for note in self.notes:
             out.append(f"note: {note}")
         out.append("")
+        from . import groups  # groups reads this module's types
+
+        found = groups.group_processes(self.processes, self.culprits)
+        if len(found) > 1 or any(len(g.processes) > 1 for g in found):
+            out.append("processes, the odd one out first:")
+            for group in found[:MAX_GROUP_LINES]:
+                peers = next((g for g in found if g.crowd and g.role == group.role), None)
+                odd = ""
+                if group.outlier and peers is not None:
+                    odd = f"  <- differs from {len(peers.processes)} identical"
+                out.append(f"  {group.line()}{odd}")
+            if len(found) > MAX_GROUP_LINES:
+                out.append(f"  ... and {len(found) - MAX_GROUP_LINES} more (below)")
+            out.append("")
         head = "\n".join(out)
         tail = self._kill_summary()
         # Bounded, but the headline, the hints and the cleanup line always stay: each process
@@ -356,7 +378,8 @@ class HangReport:
             [f"--- process {t.pid}, gone before the capture", *_stderr_lines(t.lines), ""]
             for t in self.gone_stderr
         ]
-        for lines in [*(_process_text(p, roles) for p in self.processes), *gone]:
+        shown = [_process_text(g.processes[0], roles, g.processes[1:]) for g in found]
+        for lines in [*shown, *gone]:
             block = _cap("\n".join(lines), MAX_BLOCK_CHARS)
             if len(block) + 1 <= budget:
                 blocks.append(block)
@@ -404,6 +427,10 @@ class HangReport:
         # document written before they were kept.
         if not doc["gone_stderr"]:
             del doc["gone_stderr"]
+        if not doc["cause"]:  # no hint matched (or written before the cause was kept)
+            del doc["cause"]
+        if not doc["culprits"]:
+            del doc["culprits"]
         for proc in doc["processes"]:
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]
@@ -503,22 +530,52 @@ def _task_lines(task: TaskWait, roles: dict[int, str], indent: str, own_pid: int
     return out
 
 
-def plugin_thread(thread: ThreadStack) -> bool:
-    """One of pytest-torchhang's own threads (watchdog, launcher, /proc reader, flight-recorder
-    listener): a ``threading`` thread whose outermost frame of its own is the plugin's."""
-    frames = thread.frames
-    if not frames or frames[-1].name != "_bootstrap":
-        return False
-    own = [f for f in frames if not f.filename.replace("\\", "/").endswith("/threading.py")]
-    return bool(own) and "/pytest_torchhang/" in own[-1].filename.replace("\\", "/")
+#: Processes named, with their roles, on the line of a folded group; the rest by pid only.
+MAX_NAMED = 8
 
 
-def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> list[str]:
+def _same_as(others: list[ProcessReport]) -> list[str]:
+    """The line under a group's one block: which other processes have the same stacks."""
+    if not others:
+        return []
+    named = ", ".join(f"pid {p.pid} [{p.role}]" for p in others[:MAX_NAMED])
+    rest = others[MAX_NAMED:]
+    if rest:
+        from .groups import MAX_BLOCK_PIDS, pid_list
+
+        pids = pid_list([p.pid for p in rest], MAX_BLOCK_PIDS)
+        named += f", and {len(rest)} more (pids {pids})"
+    return [f"    the same stacks, shown once: {named}"]
+
+
+def _frame_lines(frames: list[Frame]) -> list[str]:
+    from .groups import STARTUP_CUT, cut_startup
+
+    out = []
+    for frame in cut_startup(frames):
+        if frame.filename in ("<pytest>", "<pytest-torchhang>", STARTUP_CUT):
+            out.append(f"        {frame.name}")
+            continue
+        out.append(f'        File "{frame.filename}", line {frame.lineno}, in {frame.name}')
+        if frame.line:
+            out.append(f"            {frame.line}")
+    return out
+
+
+def _process_text(
+    proc: ProcessReport,
+    roles: dict[int, str] | None = None,
+    same: list[ProcessReport] | None = None,
+) -> list[str]:
+    """One process's block; ``same``: the processes with identical stacks it stands for."""
+    from .groups import is_plugin_thread, thread_key
+
     roles = roles or {}
     if proc.exit_status:
         return [
             f"--- process {proc.pid} [{proc.role}] parent {proc.ppid}, {proc.state}: "
             f"{proc.exit_status}, not reaped yet",
+            *_same_as(same or []),
             *_stderr_lines(proc.stderr_tail),
             "",
         ]
@@ -529,42 +586,44 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
         f"--- process {proc.pid} [{proc.role}] parent {proc.ppid}, {proc.state}, "
         f"cpu {proc.cpu_s:.2f}s{busy}, rss {mib:.0f} MiB, {proc.num_threads} threads, "
         f"age {proc.age_s:.1f}s",
+        *_same_as(same or []),
         f"    cmdline: {proc.cmdline[:300]}",
     ]
     if proc.dump_status != "ok":
         out.append(f"    ({proc.dump_status})")
-    own = [t for t in proc.threads if plugin_thread(t)]
-    threads = [t for t in proc.threads if t not in own]
-    for thread in threads[:MAX_THREADS]:
+    ours = [t for t in proc.threads if is_plugin_thread(t)]
+    # Threads with the same stack (a queue feeder per DataLoader worker) are shown once.
+    alike: dict[object, list[ThreadStack]] = {}
+    for thread in proc.threads:
+        if thread not in ours:
+            alike.setdefault(thread_key(thread), []).append(thread)
+    for twins in list(alike.values())[:MAX_THREADS]:
+        thread = twins[0]
         role = proc.thread_roles.get(thread.ident, "")
         words = ["main thread" if thread.current else "thread", thread.ident]
         words += [f'"{thread.name}"'] if thread.name else []
         words += [f"[{role}]"] if role else []
-        out.append(f"    {' '.join(words)} (most recent call first):")
+        more = f", and {len(twins) - 1} more with the same stack" if len(twins) > 1 else ""
+        out.append(f"    {' '.join(words)} (most recent call first{more}):")
         if thread.ident in tasks:
             out.extend(_task_lines(tasks[thread.ident], roles, "      ", proc.pid))
         if not thread.frames:
             out.append("        <no Python frame>")
-        for frame in thread.frames:
-            if frame.filename in ("<pytest>", "<pytest-torchhang>"):
-                out.append(f"        {frame.name}")
-                continue
-            out.append(f'        File "{frame.filename}", line {frame.lineno}, in {frame.name}')
-            if frame.line:
-                out.append(f"            {frame.line}")
+        out.extend(_frame_lines(thread.frames))
         if thread.truncated:
             out.append("        ...")
         for loop in proc.event_loops:  # the tasks it runs, below the loop's select
             if same_thread(loop.thread, thread.ident):
                 out.extend(_loop_lines(loop, proc))
-    if len(threads) > MAX_THREADS:
-        out.append(f"    ... {len(threads) - MAX_THREADS} more thread(s) not shown")
+    if len(alike) > MAX_THREADS:
+        out.append(f"    ... {len(alike) - MAX_THREADS} more thread(s) not shown")
+    shown = [twins[0] for twins in list(alike.values())[:MAX_THREADS]]
     for loop in proc.event_loops:
-        if not any(same_thread(loop.thread, t.ident) for t in threads[:MAX_THREADS]):
+        if not any(same_thread(loop.thread, t.ident) for t in shown):
             out.extend(_loop_lines(loop, proc))
-    if own:
-        names = ", ".join(proc.thread_roles.get(t.ident) or t.name or t.ident for t in own)
-        out.append(f"    {len(own)} thread(s) of pytest-torchhang itself, not shown: {names}")
+    if ours:
+        names = ", ".join(proc.thread_roles.get(t.ident) or t.name or t.ident for t in ours)
+        out.append(f"    {len(ours)} thread(s) of pytest-torchhang itself, not shown: {names}")
     native = [
         t for t in proc.tasks if not t.python_thread and any(e.pid != proc.pid for e in t.waits_for)
     ]
@@ -582,8 +641,9 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
     if proc.collectives:
         out.append("    collectives (flight recorder, oldest first):")
         out.extend(
-            f"        {c.label()} {'completed' if c.completed else 'NOT COMPLETED'}"
-            + (f" [{c.group}]" if c.group else "")
+            f"        {c.label()}"
+            + (f" on process group {c.group!r}" if c.group else "")
+            + (" completed" if c.completed else " NOT COMPLETED")
             for c in proc.collectives
         )
     if proc.native:

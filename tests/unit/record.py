@@ -24,6 +24,7 @@ under about 2 MB.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import linecache
 import os
@@ -38,6 +39,21 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE.parent / "corpus"
 DATA = HERE / "data"
+VIEWS_DATA = HERE / "recorded_views"
+#: ``--view NAME``: real hangs kept for the views and the grouping of the text report, as
+#: ``recorded_views/NAME.json.gz``: (module of tests/ with the scenario, its constant, the test).
+VIEWS = {
+    "dataloader_one_stuck_of_four": (
+        "test_dataloader_hangs",
+        "ONE_STUCK_OF_FOUR",
+        "test_one_worker_of_four_hangs",
+    ),
+    "dataloader_three_stuck_one_idle": (
+        "test_dataloader_hangs",
+        "THREE_STUCK_ONE_IDLE",
+        "test_three_workers_of_four_deadlock",
+    ),
+}
 
 #: The scenarios kept, one or more per rule family (labels: tests/test_diagnosis_corpus.py).
 CHOSEN = (
@@ -167,6 +183,28 @@ def sources(docs: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def record_view(name: str, timeout: float) -> int:
+    """Run one scenario of ``VIEWS`` in a real session and keep its report, gzipped, unedited."""
+    module, constant, test = VIEWS[name]
+    sys.path.insert(0, str(HERE.parent))
+    source = getattr(__import__(module), constant)
+    workdir = Path(tempfile.mkdtemp(prefix="torchhang-record-"))
+    try:
+        (workdir / "pytest.ini").write_text("[pytest]\n")
+        (workdir / "test_view.py").write_text(source)
+        _pytest(workdir, f"--torch-hang-timeout={timeout}", f"test_view.py::{test}")
+        found = first_reports(workdir / "reports")
+        if test not in found:
+            print(f"no hang report for {test}: nothing written", file=sys.stderr)
+            return 1
+        path = VIEWS_DATA / f"{name}.json.gz"
+        path.write_bytes(gzip.compress(found[test].read_bytes(), mtime=0))
+        print(f"wrote {path} ({path.stat().st_size / 1e3:.0f} kB)")
+        return 0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=3.0, help="The corpus test's timeout")
@@ -177,7 +215,14 @@ def main() -> int:
         help="Curate from the directory a --keep run left (its reports and test files), "
         "without running the corpus again",
     )
+    parser.add_argument(
+        "--view",
+        choices=sorted(VIEWS),
+        help="Record only this scenario, into recorded_views/ (the corpus is left alone)",
+    )
     args = parser.parse_args()
+    if args.view:
+        return record_view(args.view, args.timeout)
     workdir = args.session or Path(tempfile.mkdtemp(prefix="torchhang-record-"))
     try:
         reports = workdir / "reports" if args.session else run_sessions(workdir, args.timeout)

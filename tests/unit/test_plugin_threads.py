@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from pytest_torchhang.report.groups import is_plugin_thread as plugin_thread
 from pytest_torchhang.report.model import (
     Frame,
     ProcessReport,
     ThreadStack,
     _process_text,
-    plugin_thread,
 )
 
 THREADING = "/usr/lib/python3.11/threading.py"
