@@ -7,6 +7,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import waits
+from .waits import WaitObject
+
 #: Version of the JSON document written per hang; bump on incompatible changes.
 SCHEMA_VERSION = 1
 #: Upper bound on the text of one report; the JSON keeps everything that was captured.
@@ -49,6 +52,9 @@ class WaitEdge:
     pid: int
     tid: int = 0
     via: str = ""
+    #: what ``pid`` is to the wait (``report.waits.HOLDS_WRITE_END``, ``CHILD``, ...); "" in
+    #: reports written before edges had kinds
+    kind: str = ""
 
 
 @dataclass
@@ -67,6 +73,8 @@ class TaskWait:
     python_thread: str = ""  # ident of the Python thread this is, when known
     before_test: bool = False  # started before the test began (an earlier test's, a session's)
     timed: bool = False  # the wait has a timeout: the thread wakes up by itself
+    #: the object as data (``report.waits``); ``obj`` is its summary, for readers of the text
+    wait: WaitObject | None = None
 
     def summary(self) -> str:
         """``read(fd 3: pipe:[307072]) [anon_pipe_read]``, or ``running``."""
@@ -332,9 +340,11 @@ class HangReport:
         # document written before they were kept.
         if not doc["gone_stderr"]:
             del doc["gone_stderr"]
-        for proc in doc["processes"]:
+        for proc, report in zip(doc["processes"], self.processes):
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]
+            for task, kept in zip(proc["tasks"], report.tasks):
+                task["wait"] = waits.to_json(kept.wait)  # with its tag, which asdict drops
         doc["schema"] = "pytest-torchhang/hang-report"
         doc["schema_version"] = SCHEMA_VERSION
         return doc
@@ -369,10 +379,7 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
         ThreadStack(**{**t, "frames": [Frame(**f) for f in t.get("frames", [])]})
         for t in doc.get("threads", [])
     ]
-    fields["tasks"] = [
-        TaskWait(**{**t, "waits_for": [WaitEdge(**e) for e in t.get("waits_for", [])]})
-        for t in doc.get("tasks", [])
-    ]
+    fields["tasks"] = [_task_from_json(t) for t in doc.get("tasks", [])]
     fields["collectives"] = [Collective(**c) for c in doc.get("collectives", [])]
     facts = doc.get("role_facts")
     if facts:
@@ -380,6 +387,17 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
     elif "role_facts" not in doc:  # written before roles were data: read from its text
         fields["role_facts"] = Role.parse(doc.get("role", ""))
     return ProcessReport(**fields)
+
+
+def _task_from_json(doc: dict[str, Any]) -> TaskWait:
+    fields = dict(doc)
+    fields["waits_for"] = [WaitEdge(**e) for e in doc.get("waits_for", [])]
+    if "wait" in doc:
+        fields["wait"] = waits.from_json(doc["wait"])
+    else:  # written before waits were data: read from its text
+        vias = tuple(e.via for e in fields["waits_for"])
+        fields["wait"] = waits.from_text(doc.get("call", ""), doc.get("obj", ""), vias)
+    return TaskWait(**fields)
 
 
 def _cap(block: str, limit: int) -> str:
