@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import linecache
 import os
+import re
 from collections import Counter
 
-from ..report.model import ProcessReport, TaskWait, ThreadStack, WaitEdge
-from .frames import located, main_thread, primitive
+from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack, WaitEdge
+from ..report.waits import ChildExit
+from .frames import is_library, located, main_thread, primitive
 from .roles import is_pytest
 
 # Every process report carries its kernel threads (``tasks``), each with the system call it was
@@ -252,3 +255,68 @@ def cycle_text(cycle: list[ProcessReport]) -> str:
     first = next((k for k, p in enumerate(cycle) if is_pytest(p)), 0)
     ordered = cycle[first:] + cycle[:first]
     return " -> ".join(who(p) for p in [*ordered, ordered[0]])
+
+
+def user_frame(proc: ProcessReport, task: TaskWait | None = None) -> Frame | None:
+    """The innermost frame of the user's code in the thread of ``task`` (else the main one)."""
+    thread = task_thread(proc, task) if task else None
+    thread = thread or main_thread(proc)
+    return next((f for f in (thread.frames if thread else []) if not is_library(f)), None)
+
+
+def following_lines(frame: Frame, limit: int = 12) -> list[tuple[int, str]]:
+    """(line number, text) of the lines after ``frame``'s in its function, as far as the
+    function goes (a line indented less than the frame's line's block ends it)."""
+    lines = linecache.getlines(frame.filename)
+    if not 0 < frame.lineno <= len(lines):
+        return []
+    start = lines[frame.lineno - 1]
+    indent = len(start) - len(start.lstrip())
+    out = []
+    for number in range(frame.lineno + 1, min(len(lines), frame.lineno + limit) + 1):
+        text = lines[number - 1]
+        if not text.strip() or text.strip().startswith("#"):
+            continue
+        depth = len(text) - len(text.lstrip())
+        if depth < indent and text.lstrip().startswith(("def ", "async def ", "class ")):
+            break
+        if depth < indent - 4 or (depth < indent and indent <= 4):
+            break
+        out.append((number, text.strip()))
+    return out
+
+
+_HOLDS = re.compile(r"^\s*with\s+(.+?)\s*(?:as\s+\w+\s*)?:|^\s*([\w.\[\]]+)\.acquire\(")
+
+
+def holds_an_acquire(thread: ThreadStack | None) -> bool:
+    """Whether a frame of the user's code in ``thread`` is inside a ``with X:`` block, or after
+    an ``X.acquire()`` of its function with no release between: it may hold a lock or a
+    semaphore slot, and release it when its wait ends. True when a source cannot be read."""
+    for frame in thread.frames if thread else []:
+        if is_library(frame):
+            continue
+        lines = linecache.getlines(frame.filename)[: frame.lineno]
+        if not lines:
+            return True
+        indent = len(lines[-1]) - len(lines[-1].lstrip())
+        released: set[str] = set()
+        for line in reversed(lines[:-1]):
+            stripped = line.strip()
+            depth = len(line) - len(line.lstrip())
+            if stripped.startswith(("def ", "async def ")) and depth < indent:
+                break
+            if match := re.match(r"([\w.\[\]]+)\.release\(", stripped):
+                released.add(match.group(1))
+            found = _HOLDS.match(line)
+            if found and found.group(1) and depth < indent:
+                return True
+            if found and found.group(2) and found.group(2) not in released:
+                return True
+    return False
+
+
+def joins(proc: ProcessReport, task: TaskWait | None = None) -> bool:
+    """The thread waits for a child's exit (``Process.join()``, ``Popen.wait()``)."""
+    task = task or main_task(proc)
+    return task is not None and isinstance(task.wait, ChildExit)

@@ -391,7 +391,12 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
 
 def _task_from_json(doc: dict[str, Any]) -> TaskWait:
     fields = dict(doc)
-    fields["waits_for"] = [WaitEdge(**e) for e in doc.get("waits_for", [])]
+    fields["waits_for"] = [
+        WaitEdge(**e)
+        if "kind" in e  # else written before edges had kinds: read from its words
+        else WaitEdge(**e, kind=waits.edge_kind_from_text(e.get("pid", 0), e.get("via", "")))
+        for e in doc.get("waits_for", [])
+    ]
     if "wait" in doc:
         fields["wait"] = waits.from_json(doc["wait"])
     else:  # written before waits were data: read from its text

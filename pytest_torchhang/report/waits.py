@@ -171,6 +171,28 @@ OUTSIDE = "outside"  # something outside the tree holds the other end
 FILE = "file"  # a regular file: no process releases it
 
 
+_EDGE_WORDS = (
+    ("whose write end", HOLDS_WRITE_END),
+    ("whose read end", HOLDS_READ_END),
+    ("whose peer it holds", SOCKET_PEER),
+    ("a client to connect", LISTENING),
+    ("which it maps too", MAPS),
+    ("other thread", THREAD),
+    ("another thread", THREAD),
+    ("the lock it holds", LOCK_HOLDER),
+    ("its exit", CHILD),
+)
+
+
+def edge_kind_from_text(pid: int, via: str) -> str:
+    """The kind of an edge of a report written before edges had kinds, from its words."""
+    if pid == 0:
+        return NOBODY
+    if pid < 0:
+        return FILE if via.startswith("file ") else OUTSIDE
+    return next((kind for words, kind in _EDGE_WORDS if words in via), "")
+
+
 def to_json(wait: WaitObject | None) -> dict[str, Any] | None:
     """The JSON form: the fields and ``kind``."""
     return None if wait is None else {"kind": wait.kind, **asdict(wait)}

@@ -2,17 +2,37 @@
 
 from __future__ import annotations
 
+import re
+
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
-from ..frames import has_frame, in_file, innermost, located, main_thread, primitive
+from ...report.waits import CHILD, HOLDS_READ_END, HOLDS_WRITE_END, MAPS, SOCKET_PEER, Pipe, Semaphore
+from ..frames import (
+    enclosing_class,
+    has_frame,
+    in_file,
+    innermost,
+    is_library,
+    located,
+    main_thread,
+    primitive,
+)
 from ..graph import (
+    READS,
+    WRITES,
     blocked_line,
     chain,
     cycle_text,
     doing,
     edge_lines,
     edges_to,
+    following_lines,
+    holds_an_acquire,
+    ignored,
+    joins,
     main_task,
     task_thread,
+    user_frame,
+    wait_kind,
     waiters_text,
     who,
 )
@@ -262,3 +282,329 @@ def hint_fifo(procs: list[ProcessReport]) -> list[Hint]:
             )
         )
     return out
+
+
+# --- causes named in the user's words: the kind of object, and the action that is missing ---
+
+
+def _acquire_line(proc: ProcessReport, task: TaskWait) -> tuple[str, Frame] | None:
+    """(the semaphore's expression, the user's frame) of a thread blocked in ``X.acquire()`` or
+    ``with X:`` called straight from the user's code (not through a Condition or an Event)."""
+    thread = task_thread(proc, task)
+    if thread is None or not thread.frames:
+        return None
+    frames = thread.frames
+    top = 0
+    # threading.Semaphore.acquire waits in its Condition: the user's call is below them
+    while top < len(frames) and in_file(frames[top], "threading.py", "wait", "acquire"):
+        top += 1
+    if top and not any(in_file(f, "threading.py", "acquire") for f in frames[:top]):
+        return None
+    if top >= len(frames) or is_library(frames[top]):
+        return None
+    match = re.match(r"^\s*(?:with\s+([\w.\[\]]+)\s*:|([\w.\[\]]+)\.acquire\()", frames[top].line)
+    if not match:
+        return None
+    return (match.group(1) or match.group(2)), frames[top]
+
+
+def _threading_semaphore(proc: ProcessReport, task: TaskWait) -> bool:
+    thread = task_thread(proc, task)
+    return thread is not None and any(
+        in_file(f, "threading.py", "acquire") and enclosing_class(f.filename, f.lineno) == "Semaphore"
+        for f in thread.frames[:3]
+    )
+
+
+def _cannot_release(proc: ProcessReport, task: TaskWait, waiting: set[tuple[int, int]]) -> bool:
+    """A thread that will not release the semaphore: it waits in acquire itself, or waits for
+    a child's or a thread's end without holding an acquire in its frames."""
+    if (proc.pid, task.tid) in waiting:
+        return True
+    if proc.busy or wait_kind(proc, task) in ("running", "sleeping", "stopped", "unknown"):
+        return False
+    thread = task_thread(proc, task)
+    joining = joins(proc, task) or (
+        thread is not None and bool(thread.frames) and in_file(
+            thread.frames[min(1, len(thread.frames) - 1)], "threading.py", "join"
+        )
+    )
+    return joining and not holds_an_acquire(thread)
+
+
+def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
+    """A semaphore (or lock) at count 0 that every live process that could release waits on,
+    or waits for a child without holding: its slots were acquired and never released."""
+    by_pid = {p.pid: p for p in procs}
+    hints = []
+    # multiprocessing: a SemLock in /dev/shm, waited on from the user's own acquire()
+    groups: dict[str, list[tuple[ProcessReport, TaskWait, str, Frame]]] = {}
+    for proc in procs:
+        for task in proc.tasks:
+            if isinstance(task.wait, Semaphore) and not ignored(proc, task):
+                found = _acquire_line(proc, task)
+                if found:
+                    groups.setdefault(task.wait.path, []).append((proc, task, *found))
+    for path, waiters in groups.items():
+        sem = waiters[0][1].wait
+        assert isinstance(sem, Semaphore)
+        if sem.value not in (0, None):
+            continue  # a slot is free: the waiters are about to run
+        waiting = {(p.pid, t.tid) for p, t, _, _ in waiters}
+        sharers = {e.pid for _, t, _, _ in waiters for e in t.waits_for if e.kind == MAPS}
+        if any(pid not in by_pid for pid in sharers):
+            continue
+        others = [by_pid[pid] for pid in sorted(sharers) if pid not in {p for p, _ in waiting}]
+        if not all(
+            _cannot_release(o, t, waiting) for o in others for t in o.tasks if not ignored(o, t)
+        ):
+            continue
+        hints.append(_leaked_hint(procs, waiters, others, sem, "multiprocessing"))
+    # threading: every thread of a process waits in Semaphore.acquire, or joins without holding
+    for proc in procs:
+        tasks = [t for t in proc.tasks if not ignored(proc, t)]
+        stuck = [
+            (proc, t, *found)
+            for t in tasks
+            if _threading_semaphore(proc, t) and (found := _acquire_line(proc, t))
+        ]
+        if not stuck or proc.busy:
+            continue
+        waiting = {(proc.pid, t.tid) for _, t, _, _ in stuck}
+        if all(_cannot_release(proc, t, waiting) for t in tasks):
+            hints.append(_leaked_hint(procs, stuck, [], None, "threading"))
+    return hints
+
+
+def _leaked_hint(
+    procs: list[ProcessReport],
+    waiters: list[tuple[ProcessReport, TaskWait, str, Frame]],
+    others: list[ProcessReport],
+    sem: Semaphore | None,
+    family: str,
+) -> Hint:
+    name, frame = waiters[0][2], waiters[0][3]
+    pids = sorted({p.pid for p, *_ in waiters})
+    where = ", ".join(
+        sorted({f"{who(p)}" + (f" thread {t.tid}" if t.tid != p.pid else "") for p, t, _, _ in waiters})
+    )
+    if sem is not None:
+        what = (
+            f"`{name}`, a multiprocessing semaphore (a Semaphore, BoundedSemaphore or Lock: the "
+            f"SemLock at {sem.path})"
+        )
+        count = (
+            f"its count is {sem.value} (read from the semaphore)"
+            if sem.value is not None
+            else f"its count could not be read ({sem.unread}), and its waiters went to sleep on a count of 0"
+        )
+    else:
+        what = f"`{name}`, a threading Semaphore or BoundedSemaphore"
+        count = "its count is 0 (Semaphore.acquire waits only while it is)"
+    holders = (
+        "; ".join(f"{who(o)} {doing(o)}, and holds no acquire of it in its frames" for o in others)
+        or "every other thread of the process waits in the same acquire, or joins threads "
+        "without holding an acquire in its frames"
+    )
+    exited = [p for p in procs if p.exit_status and p.ppid in {o.pid for o in others} | set(pids)]
+    gone = (
+        "; gone meanwhile: " + ", ".join(f"{who(p)}, which {p.exit_status}" for p in exited)
+        if exited
+        else ""
+    )
+    text = (
+        f"{where} wait{'s' if len(waiters) == 1 else ''} in {name}.acquire(){located(frame)} on "
+        f"{what}: {count}, and no live process holds a slot in a way that will release it: "
+        f"{holders}{gone}. Its slots leaked: they were acquired on a path that returned or raised "
+        f"without release(). Take it with `with {name}:` (or release it in a finally block), "
+        "so that every path gives the slot back."
+    )
+    based = [f"{who(p)} blocked in {t.summary()}" for p, t, _, _ in waiters]
+    based += [blocked_line(o) for o in others]
+    return Hint(text, based, rule="leaked_slots", pids=sorted(set(pids) | {o.pid for o in others}))
+
+
+_MARKER = re.compile(r"\b(\w+)\s+is\s+(None|[A-Z_]{3,})\b|==\s*(None|[A-Z_]{3,}|['\"]\w+['\"])")
+
+
+def _end_marker(frame: Frame) -> tuple[int, str] | None:
+    """The line after a ``get()`` that ends the consumer's loop on a marker (``if item is
+    None: return``), or the ``iter(queue.get, None)`` of the line itself."""
+    if match := re.search(r"\biter\(\s*[\w.]+\.get\s*,\s*([^)]+)\)", frame.line):
+        return frame.lineno, frame.line
+    for number, text in following_lines(frame, 4)[:2]:
+        if text.startswith(("if ", "while ", "elif ")) and _MARKER.search(text):
+            return number, text
+    return None
+
+
+def _queue_get(proc: ProcessReport, task: TaskWait) -> Frame | None:
+    """The user's frame of a thread blocked in a multiprocessing Queue's get()."""
+    thread = task_thread(proc, task)
+    if thread is None or not any(in_file(f, "multiprocessing/queues.py", "get") for f in thread.frames):
+        return None
+    frame = next((f for f in thread.frames if not is_library(f)), None)
+    return frame if frame is not None and ".get(" in frame.line else None
+
+
+def hint_end_marker(procs: list[ProcessReport]) -> list[Hint]:
+    """A consumer that stops on an end marker waits on an empty Queue whose every writer waits
+    (for a child's exit, or in get() itself): the marker it needs will never be put."""
+    by_pid = {p.pid: p for p in procs}
+    hints = []
+    for proc in procs:
+        task = main_task(proc)
+        if task is None or not isinstance(task.wait, Pipe) or task.call not in READS:
+            continue
+        frame = _queue_get(proc, task)
+        marker = _end_marker(frame) if frame else None
+        if frame is None or marker is None:
+            continue
+        writers = {e.pid for e in task.waits_for if e.kind == HOLDS_WRITE_END} - {proc.pid}
+        if not writers or any(w not in by_pid for w in writers):
+            continue
+        idle = [by_pid[w] for w in sorted(writers)]
+        if not all(
+            joins(w) or _queue_get(w, t) is not None
+            for w in idle
+            for t in [main_task(w)]
+            if t is not None
+        ) or any(w.busy or _sends_later(w) for w in idle):
+            continue
+        number, text = marker
+        hints.append(
+            Hint(
+                f"{who(proc)} waits in Queue.get(){located(frame)} for the end-of-stream marker "
+                f"that ends its loop (line {number}: `{text}`), and the queue is empty (its "
+                "reader is blocked reading the queue's pipe). No live process will put it: the "
+                "queue's write end is held by "
+                + "; ".join(f"{who(w)}, which {doing(w)}" for w in idle)
+                + ". Each end marker stops one consumer: put one marker per consumer (a "
+                "producer that puts one for several leaves all but one waiting), or stop the "
+                "consumers another way (a timeout, an Event).",
+                [blocked_line(proc), *(blocked_line(w) for w in idle)],
+                rule="end_marker",
+                pids=[proc.pid, *(w.pid for w in idle)],
+            )
+        )
+    return hints
+
+
+def hint_full_pipe(procs: list[ProcessReport]) -> list[Hint]:
+    """A child blocked writing a full pipe whose only reader waits for that child to exit."""
+    by_pid = {p.pid: p for p in procs}
+    hints = []
+    for proc in procs:
+        task = main_task(proc)
+        if task is None or not isinstance(task.wait, Pipe) or task.call not in WRITES:
+            continue
+        readers = {e.pid for e in task.waits_for if e.kind == HOLDS_READ_END} - {proc.pid}
+        if not readers or any(r not in by_pid for r in readers):
+            continue
+        parents = [by_pid[r] for r in sorted(readers)]
+        waiting = [
+            r for r in parents
+            if (t := main_task(r)) is not None and any(e.pid == proc.pid and e.kind == CHILD for e in t.waits_for)
+        ]
+        if len(waiting) != len(parents):
+            continue
+        stream = {1: "stdout", 2: "stderr"}.get(task.wait.fd, f"fd {task.wait.fd}")
+        popen = [r for r in waiting if has_frame(r, "subprocess.py", "wait")]
+        fix = (
+            f"Read while it runs: `{'stdout, stderr' if stream == 'stdout' else '_, stderr'} = "
+            "child.communicate()` instead of wait(), or send the output to a file "
+            "(stdout=open(...)) or to subprocess.DEVNULL"
+            if popen
+            else "Read the pipe before waiting for the process to end (or in a thread)"
+        )
+        full = "pipe_write" in task.wchan
+        hints.append(
+            Hint(
+                f"{who(proc)} is blocked writing to its {stream} ({task.wait.summary()}), a pipe "
+                f"that is full{' (the kernel: wchan ' + task.wchan + ')' if full else ''}; the "
+                "only reader of that pipe is "
+                + "; ".join(f"{who(r)}, which {doing(r)}" for r in waiting)
+                + f": it waits for the child to exit before it reads, and the child cannot exit "
+                f"before its {stream} is read (a pipe holds 64 KiB). {fix}.",
+                [blocked_line(proc), *(blocked_line(r) for r in waiting)],
+                rule="full_pipe",
+                pids=[proc.pid, *(r.pid for r in waiting)],
+            )
+        )
+    return hints
+
+
+_SENDS = re.compile(
+    r"(\.(put|put_nowait|send|send_bytes|sendall|write|set|release|notify|notify_all)\(|"
+    r"\bos\.write\()"
+)
+
+
+def _sends_later(proc: ProcessReport) -> tuple[int, str] | None:
+    """The first line after the user's current line, in its function, that sends something
+    (``queue.put(None)``, ``os.write(fd, ...)``, ``event.set()``)."""
+    frame = user_frame(proc)
+    if frame is None:
+        return None
+    return next(((n, t) for n, t in following_lines(frame) if _SENDS.search(t)), None)
+
+
+def _join_path(by_pid: dict[int, ProcessReport], start: ProcessReport) -> list[ProcessReport]:
+    """``start`` and the processes it joins, one after the other (each waits for one child)."""
+    path = [start]
+    while True:
+        task = main_task(path[-1])
+        if task is None or not joins(path[-1], task):
+            return path
+        nxt = [by_pid.get(e.pid) for e in task.waits_for if e.kind == CHILD]
+        if len(nxt) != 1 or nxt[0] is None or nxt[0] in path:
+            return path
+        path.append(nxt[0])
+
+
+def hint_join_cycle(procs: list[ProcessReport]) -> list[Hint]:
+    """A chain of joins whose last process waits for data (a pipe, a Queue, an Event) that only
+    the joiners can send, one of them after its join: a cycle, named through all of them."""
+    by_pid = {p.pid: p for p in procs}
+    hints = []
+    for start in procs:
+        if not is_pytest(start) and start.ppid in by_pid:
+            continue  # start from the top of a chain: the test, or a process without a parent here
+        path = _join_path(by_pid, start)
+        end = path[-1]
+        task = main_task(end)
+        if len(path) < 2 or task is None or joins(end, task) or end.busy:
+            continue
+        releasers = {
+            e.pid for e in task.waits_for if e.kind in (HOLDS_WRITE_END, MAPS, SOCKET_PEER)
+        } - {end.pid}
+        if not releasers or not releasers <= {p.pid for p in path[:-1]}:
+            continue
+        if wait_kind(end, task) != "blocked":
+            continue
+        later = [(p, sent) for p in path[:-1] if p.pid in releasers and (sent := _sends_later(p))]
+        steps = " -> ".join(
+            f"{who(p)}, which {doing(p)}" for p in path
+        )
+        text = (
+            f"a cycle of waits through {len(path)} processes: {steps}, for what only "
+            + ", ".join(who(by_pid[r]) for r in sorted(releasers))
+            + f" can send ({task.wait.summary() if task.wait else task.obj}: "
+            + ("they hold its write end" if isinstance(task.wait, Pipe) else "they share it")
+            + "), and each of them waits for the next one's exit. "
+        )
+        if later:
+            text += " ".join(
+                f"{who(p)} sends it only after its join: line {n}, `{line}`." for p, (n, line) in later
+            ) + " Send it before joining (or join with a timeout and check the result)."
+        else:
+            text += "Nothing in the chain will send it: send it before any join."
+        hints.append(
+            Hint(
+                text,
+                [blocked_line(p) for p in path],
+                rule="join_cycle",
+                pids=[p.pid for p in path],
+            )
+        )
+    return hints

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import re
 
-from ...report.model import Hint, ProcessReport, TaskWait
-from ..frames import collective_of, fork_parent, frame_collective, located, main_thread, primitive
+from ...report.model import Frame, Hint, ProcessReport, TaskWait
+from ...report.waits import SOCKET_PEER, Socket
+from ..frames import (
+    collective_of,
+    fork_parent,
+    frame_collective,
+    is_library,
+    located,
+    main_thread,
+    primitive,
+)
 from ..graph import (
     READS,
     blocked_line,
@@ -15,6 +24,7 @@ from ..graph import (
     edge_lines,
     edges_to,
     find_knot,
+    ignored,
     main_task,
     task_thread,
     wait_kind,
@@ -253,7 +263,8 @@ def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
 
 def hint_busy(procs: list[ProcessReport], explained: set[int] | None = None) -> list[Hint]:
     """Processes that used CPU during the capture, and who waits for them."""
-    busy = [p for p in procs if p.busy and p.pid not in (explained or set())]
+    polling = {p.pid for p in procs if _producer_gone(p, procs)}  # hint_poll_dead tells them
+    busy = [p for p in procs if p.busy and p.pid not in (explained or set()) | polling]
     if not busy:
         return []
     waiting = [(b, edges_to(procs, b.pid)) for b in busy]
@@ -273,3 +284,127 @@ def hint_busy(procs: list[ProcessReport], explained: set[int] | None = None) -> 
             pids=[p.pid for p in busy],
         )
     ]
+
+
+#: What a polling loop's condition reads, by the call in it, in the user's words.
+_POLLED = (
+    (re.compile(r"\bos\.path\.(exists|isfile|isdir)\(|\.(exists|is_file|is_dir)\(\)"), "a file's existence"),
+    (re.compile(r"\.value\b"), "a shared Value"),
+    (re.compile(r"\.(empty|qsize)\(\)"), "a queue (queue.empty())"),
+    (re.compile(r"\.is_set\(\)"), "an Event (event.is_set())"),
+    (re.compile(r"\.poll\(\)"), "a child or a connection (poll())"),
+)
+
+
+def _polls(proc: ProcessReport) -> tuple[str, Frame] | None:
+    """(what it polls, the loop's frame) of a busy process spinning in a ``while`` loop."""
+    thread = main_thread(proc)
+    frames = thread.frames if thread else []
+    frame = next((f for f in frames if not is_library(f) and not f.filename.startswith("<")), None)
+    if frame is None or not frame.line.startswith("while "):
+        return None
+    return next(((what, frame) for pattern, what in _POLLED if pattern.search(frame.line)), None)
+
+
+def _producer_gone(
+    proc: ProcessReport, procs: list[ProcessReport]
+) -> tuple[str, Frame, list[ProcessReport]] | None:
+    """(what it polls, the loop's frame, the exited children) of a busy process spinning in a
+    polling loop while a child of it (or a sibling) has exited: nothing else says it will not
+    come (a loop without such a child may just be slow)."""
+    found = _polls(proc) if proc.busy else None
+    if found is None:
+        return None
+    dead = [p for p in procs if p.exit_status and p.ppid in (proc.pid, proc.ppid) and p is not proc]
+    # a live process of the test that runs could still make it: then the loop may just wait
+    working = [
+        p
+        for p in procs
+        if p is not proc and not p.exit_status and not is_helper(p) and (p.busy or _runs(p))
+    ]
+    return (*found, dead) if dead and not working else None
+
+
+def _runs(proc: ProcessReport) -> bool:
+    return any(t.call == "running" or t.state == "R" for t in proc.tasks if not ignored(proc, t))
+
+
+def hint_poll_dead(procs: list[ProcessReport]) -> list[Hint]:
+    """A process spins polling for something (a file, a Value, a queue) that the child meant to
+    make it exited without making."""
+    hints = []
+    for proc in procs:
+        found = _producer_gone(proc, procs)
+        if found is None:
+            continue
+        what, frame, dead = found
+        errors = [
+            f"{who(p)}'s stderr ends: {p.stderr_tail[-1].strip()}"
+            for p in dead
+            if p.stderr_tail and p.stderr_tail[-1].strip()
+        ]
+        hints.append(
+            Hint(
+                f"{who(proc)} spins (+{proc.cpu_delta_s:.2f}s CPU during the capture) in a loop "
+                f"that polls {what}{located(frame)}: `{frame.line}`, and the child that was to "
+                "make it is gone: "
+                + "; ".join(f"{who(p)} {p.exit_status}" for p in dead)
+                + ("; " + "; ".join(errors) if errors else "")
+                + ". No other process of the test runs: what it polls for will never come. Check the producer's exit (join it and read exitcode, "
+                "or wait on something it sets) and give the loop a deadline instead of polling "
+                "forever.",
+                [f"{who(proc)} +{proc.cpu_delta_s:.2f}s CPU at {frame.filename}:{frame.lineno}"]
+                + [f"pid {p.pid} is a zombie: {p.exit_status}" for p in dead],
+                rule="poll_dead",
+                pids=[proc.pid],  # the exited children keep their own fact (hint_dead)
+            )
+        )
+    return hints
+
+
+def _serving_thread(server: ProcessReport, address: str) -> str:
+    """The thread of ``server`` that waits for connections on ``address``, in words."""
+    for task in server.tasks:
+        if isinstance(task.wait, Socket) and task.wait.listening and task.wait.local == address:
+            thread = task_thread(server, task)
+            name, frame = primitive(thread)
+            label = f"thread {thread.name!r}" if thread and thread.name else f"thread {task.tid}"
+            return f"{label} of {who(server)}, which waits in {name or task.call}{located(frame)} for the next client"
+    return who(server)
+
+
+def hint_no_answer(procs: list[ProcessReport]) -> list[Hint]:
+    """A blocking read (no timeout) on a TCP connection to a server of the tree that accepted
+    the request and does not answer."""
+    by_pid = {p.pid: p for p in procs}
+    hints = []
+    for proc in procs:
+        task = main_task(proc)
+        if task is None or task.call not in READS or task.timed or is_rank(proc) or is_helper(proc):
+            continue
+        sock = task.wait
+        if not isinstance(sock, Socket) or sock.family != "tcp" or not sock.remote:
+            continue
+        peers = {e.pid for e in task.waits_for if e.kind == SOCKET_PEER} - {proc.pid}
+        if len(peers) != 1 or next(iter(peers)) not in by_pid:
+            continue
+        server = by_pid[next(iter(peers))]
+        if server.busy or server.exit_status or any(t.call == "running" for t in server.tasks):
+            continue  # it may be computing the answer
+        name, frame = primitive(task_thread(proc, task))
+        hints.append(
+            Hint(
+                f"{who(proc)} waits for an answer in {name or task.call}{located(frame)} on a "
+                f"connection to {sock.remote}, with no timeout (the socket blocks in "
+                f"{task.call} itself): the server at {sock.remote}, served by "
+                f"{_serving_thread(server, sock.remote)}, accepted the connection and never "
+                "answered, and nothing in it is working on an answer. Pass a timeout "
+                "(socket.create_connection(..., timeout=...), sock.settimeout(), "
+                "requests' timeout=), and find why the server does not reply.",
+                [f"{who(proc)} blocked in {task.summary()}: {sock.local} -> {sock.remote}"]
+                + [blocked_line(server)],
+                rule="no_answer",
+                pids=[proc.pid, server.pid],
+            )
+        )
+    return hints
