@@ -124,7 +124,7 @@ LABELS: dict[str, Label] = {
         "pipe", "itself (its own copy)", role="multiprocessing.Process(target=_read_all)"
     ),
     "test_sharing_popen_wait_while_the_child_reads_stdin": _label(
-        "pipe", "Popen.wait()", role="Python child"
+        "join_cycle pipe", "Popen.wait()", "Close child.stdin", role="Python child"
     ),
     "test_sharing_popen_child_stopped": _label(
         "stopped", "is stopped", "Popen.wait()", role="Python child"
@@ -151,7 +151,7 @@ LABELS: dict[str, Label] = {
         role="Python child",
     ),
     "test_sharing_join_a_child_blocked_on_a_full_bounded_queue": _label(
-        "deadlock", "multiprocessing Queue.put()", "Process.join()", role="target=_put_two"
+        "join_cycle deadlock", "multiprocessing Queue.put()", "Process.join()", role="target=_put_two"
     ),
     "test_sharing_a_service_that_never_answers": _label(
         "outside", "no process of this test", "conn.recv(1)", role="pytest"

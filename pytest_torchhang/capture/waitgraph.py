@@ -285,8 +285,8 @@ class _Reader:
             want_writer = not write
             ends = []
             for holder, hfd in self.holders(target):
-                w = self.writable(holder, hfd)
-                if w is None or w == want_writer:
+                writes = self.writable(holder, hfd)
+                if writes is None or writes == want_writer:
                     ends.append(holder)
             role = "write" if want_writer else "read"
             kind = w.HOLDS_WRITE_END if want_writer else w.HOLDS_READ_END

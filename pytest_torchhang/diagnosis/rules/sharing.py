@@ -589,11 +589,29 @@ def hint_join_cycle(procs: list[ProcessReport]) -> list[Hint]:
         text = (
             f"a cycle of waits through {len(path)} processes: {steps}, for what only "
             + ", ".join(who(by_pid[r]) for r in sorted(releasers))
-            + f" can send ({task.wait.summary() if task.wait else task.obj}: "
-            + ("they hold its write end" if isinstance(task.wait, Pipe) else "they share it")
-            + "), and each of them waits for the next one's exit. "
+            + (
+                f" can write ({task.wait.summary()}: they hold its write end)"
+                if isinstance(task.wait, Pipe)
+                else f" can post ({task.wait.summary() if task.wait else task.obj}: a semaphore "
+                "or event they share)"
+            )
+            + ", and each of them waits for the next one's exit. "
         )
-        if later:
+        stdin = isinstance(task.wait, Pipe) and task.wait.fd == 0
+        if has_frame(end, "multiprocessing/queues.py", "put"):
+            text += (
+                f"{who(end)} waits in Queue.put() for room in a full bounded queue: only a get() "
+                "makes room, and the processes that could get() wait for exits. Get the items "
+                "before joining the process that puts them (or use a larger or unbounded queue)."
+            )
+        elif stdin and has_frame(path[-2], "subprocess.py", "wait"):
+            text += (
+                f"{who(end)} reads its stdin, a pipe from {who(path[-2])}, which waits for it to "
+                "exit without closing its end: the read never sees the end of the input. Close "
+                "child.stdin after writing (or pass the input with communicate(input=...)) "
+                "before waiting."
+            )
+        elif later:
             text += " ".join(
                 f"{who(p)} sends it only after its join: line {n}, `{line}`." for p, (n, line) in later
             ) + " Send it before joining (or join with a timeout and check the result)."
