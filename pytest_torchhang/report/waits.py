@@ -72,7 +72,7 @@ class Semaphore:
 
     def summary(self) -> str:
         count = f"count {self.value}" if self.value is not None else f"count unread: {self.unread}"
-        return f"semaphore {self.addr:#x} in {self.path} ({count})"
+        return f"futex {self.addr:#x} in {self.path} (a semaphore, {count})"
 
 
 @dataclass(frozen=True)

@@ -295,10 +295,17 @@ def _acquire_line(proc: ProcessReport, task: TaskWait) -> tuple[str, Frame] | No
         return None
     frames = thread.frames
     top = 0
-    # threading.Semaphore.acquire waits in its Condition: the user's call is below them
-    while top < len(frames) and in_file(frames[top], "threading.py", "wait", "acquire"):
+    # threading.Semaphore.acquire waits in its Condition, and `with` on a multiprocessing
+    # SemLock enters through synchronize.py: the user's call is below them
+    while top < len(frames) and (
+        in_file(frames[top], "threading.py", "wait", "acquire")
+        or in_file(frames[top], "multiprocessing/synchronize.py", "__enter__")
+    ):
         top += 1
-    if top and not any(in_file(f, "threading.py", "acquire") for f in frames[:top]):
+    if top and not any(
+        in_file(f, "threading.py", "acquire") or in_file(f, "multiprocessing/synchronize.py")
+        for f in frames[:top]
+    ):
         return None
     if top >= len(frames) or is_library(frames[top]):
         return None
