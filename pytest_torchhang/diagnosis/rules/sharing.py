@@ -519,8 +519,8 @@ def hint_full_pipe(procs: list[ProcessReport]) -> list[Hint]:
         popen = [r for r in waiting if has_frame(r, "subprocess.py", "wait")]
         fix = (
             f"Read while it runs: `{'stdout, stderr' if stream == 'stdout' else '_, stderr'} = "
-            "child.communicate()` instead of wait(), or send the output to a file "
-            "(stdout=open(...)) or to subprocess.DEVNULL"
+            f"child.communicate()` instead of wait(), or send the output to a file "
+            f"({stream}=open(...)) or to subprocess.DEVNULL"
             if popen
             else "Read the pipe before waiting for the process to end (or in a thread)"
         )
