@@ -151,7 +151,10 @@ LABELS: dict[str, Label] = {
         role="Python child",
     ),
     "test_sharing_join_a_child_blocked_on_a_full_bounded_queue": _label(
-        "join_cycle deadlock", "multiprocessing Queue.put()", "Process.join()", role="target=_put_two"
+        "join_cycle deadlock",
+        "multiprocessing Queue.put()",
+        "Process.join()",
+        role="target=_put_two",
     ),
     "test_sharing_a_service_that_never_answers": _label(
         "outside", "no process of this test", "conn.recv(1)", role="pytest"
@@ -174,7 +177,13 @@ LABELS: dict[str, Label] = {
     # the others wait may stay a zombie, whose fact (dead) may be told beside
     "test_waits_semaphore_slots_leak_on_an_early_return": Label(
         ("leaked_slots",),
-        ("slots.acquire()", "multiprocessing semaphore", "count is 0", "slots leaked", "with slots:"),
+        (
+            "slots.acquire()",
+            "multiprocessing semaphore",
+            "count is 0",
+            "slots leaked",
+            "with slots:",
+        ),
         role="target=_work",
         facts_only=("dead",),
     ),

@@ -340,10 +340,10 @@ class HangReport:
         # document written before they were kept.
         if not doc["gone_stderr"]:
             del doc["gone_stderr"]
-        for proc, report in zip(doc["processes"], self.processes):
+        for proc, report in zip(doc["processes"], self.processes, strict=True):
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]
-            for task, kept in zip(proc["tasks"], report.tasks):
+            for task, kept in zip(proc["tasks"], report.tasks, strict=True):
                 task["wait"] = waits.to_json(kept.wait)  # with its tag, which asdict drops
         doc["schema"] = "pytest-torchhang/hang-report"
         doc["schema_version"] = SCHEMA_VERSION

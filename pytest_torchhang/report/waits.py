@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -146,9 +146,9 @@ class OtherFile:
         return f"fd {self.fd}: {self.target}"
 
 
-WaitObject = Union[
-    Pipe, Fifo, Futex, Semaphore, FileLock, Socket, StoreKey, Sleep, ChildExit, OtherFile
-]
+WaitObject = (
+    Pipe | Fifo | Futex | Semaphore | FileLock | Socket | StoreKey | Sleep | ChildExit | OtherFile
+)
 _KINDS: dict[str, type[Any]] = {
     cls.kind: cls
     for cls in (

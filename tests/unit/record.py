@@ -186,8 +186,7 @@ def sources(docs: list[dict[str, Any]]) -> dict[str, str]:
                     )
     read = read_by_diagnosis(docs)
     out = {}
-    for name, lineno in sorted(deepest.items()):
-        stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
     for name, lineno in sorted(deepest.items()):
         wanted = name in read or not (name.startswith("<") or "-packages" in name)
         if wanted and os.path.isfile(name):
@@ -226,9 +225,7 @@ def main() -> int:
             print(f"--only: {unknown} are not in CHOSEN (record.py)", file=sys.stderr)
             return 2
         reports = (
-            workdir / "reports"
-            if args.session
-            else run_sessions(workdir, args.timeout, args.only)
+            workdir / "reports" if args.session else run_sessions(workdir, args.timeout, args.only)
         )
         found = first_reports(reports)
         missing = [name for name in chosen if name not in found]

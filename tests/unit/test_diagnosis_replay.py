@@ -82,7 +82,9 @@ def test_the_recordings_cover_every_rule_family() -> None:
 def test_the_replay_gives_what_the_capture_gave(path: Path, replay: Replay) -> None:
     """While the diagnosis code is the one that recorded, the replay must reproduce the
     recorded hints and headline exactly: the recording holds everything the rules read."""
-    recorded_by = replay.machine.get("digests", {}).get(path.stem, replay.machine["diagnose_sha256"])
+    recorded_by = replay.machine.get("digests", {}).get(
+        path.stem, replay.machine["diagnose_sha256"]
+    )
     if recorded_by != diagnosis_digest():
         pytest.skip("the diagnosis changed since the recording: re-record to compare exactly")
     report = replay.load(path)

@@ -22,11 +22,11 @@ def _without_wait_data(written: dict[str, Any], doc: dict[str, Any]) -> dict[str
     """``written`` without the wait objects and edge kinds that ``doc``, written before waits
     were data, lacks (a reader makes them from its text: they are new, not changed, facts)."""
     out = json.loads(json.dumps(written))
-    for proc, old in zip(out["processes"], doc["processes"]):
-        for task, old_task in zip(proc["tasks"], old["tasks"]):
+    for proc, old in zip(out["processes"], doc["processes"], strict=True):
+        for task, old_task in zip(proc["tasks"], old["tasks"], strict=True):
             if "wait" not in old_task:
                 del task["wait"]
-            for edge, old_edge in zip(task["waits_for"], old_task["waits_for"]):
+            for edge, old_edge in zip(task["waits_for"], old_task["waits_for"], strict=True):
                 if "kind" not in old_edge:
                     del edge["kind"]
     return out  # type: ignore[no-any-return]

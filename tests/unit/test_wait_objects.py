@@ -44,9 +44,7 @@ def test_an_old_reports_objects_read_back_as_values_whose_summary_is_their_text(
 
 
 def test_an_old_reports_edges_get_their_kind_from_their_words() -> None:
-    kinds = {
-        e.kind for path in LEGACY for t in _tasks(path) for e in t.waits_for
-    }
+    kinds = {e.kind for path in LEGACY for t in _tasks(path) for e in t.waits_for}
     assert {waits.CHILD, waits.HOLDS_WRITE_END, waits.THREAD, waits.NOBODY} <= kinds
     assert "" not in kinds
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import re
 
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
-from ...report.waits import CHILD, HOLDS_READ_END, HOLDS_WRITE_END, MAPS, SOCKET_PEER, Pipe, Semaphore
+from ...report.waits import (
+    CHILD,
+    HOLDS_READ_END,
+    HOLDS_WRITE_END,
+    MAPS,
+    SOCKET_PEER,
+    Pipe,
+    Semaphore,
+)
 from ..frames import (
     enclosing_class,
     has_frame,
@@ -318,7 +326,8 @@ def _acquire_line(proc: ProcessReport, task: TaskWait) -> tuple[str, Frame] | No
 def _threading_semaphore(proc: ProcessReport, task: TaskWait) -> bool:
     thread = task_thread(proc, task)
     return thread is not None and any(
-        in_file(f, "threading.py", "acquire") and enclosing_class(f.filename, f.lineno) == "Semaphore"
+        in_file(f, "threading.py", "acquire")
+        and enclosing_class(f.filename, f.lineno) == "Semaphore"
         for f in thread.frames[:3]
     )
 
@@ -332,9 +341,9 @@ def _cannot_release(proc: ProcessReport, task: TaskWait, waiting: set[tuple[int,
         return False
     thread = task_thread(proc, task)
     joining = joins(proc, task) or (
-        thread is not None and bool(thread.frames) and in_file(
-            thread.frames[min(1, len(thread.frames) - 1)], "threading.py", "join"
-        )
+        thread is not None
+        and bool(thread.frames)
+        and in_file(thread.frames[min(1, len(thread.frames) - 1)], "threading.py", "join")
     )
     return joining and not holds_an_acquire(thread)
 
@@ -352,7 +361,7 @@ def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
                 found = _acquire_line(proc, task)
                 if found:
                     groups.setdefault(task.wait.path, []).append((proc, task, *found))
-    for path, waiters in groups.items():
+    for waiters in groups.values():
         sem = waiters[0][1].wait
         assert isinstance(sem, Semaphore)
         if sem.value not in (0, None):
@@ -393,7 +402,9 @@ def _leaked_hint(
     name, frame = waiters[0][2], waiters[0][3]
     pids = sorted({p.pid for p, *_ in waiters})
     where = ", ".join(
-        sorted({f"{who(p)}" + (f" thread {t.tid}" if t.tid != p.pid else "") for p, t, _, _ in waiters})
+        sorted(
+            {f"{who(p)}" + (f" thread {t.tid}" if t.tid != p.pid else "") for p, t, _, _ in waiters}
+        )
     )
     if sem is not None:
         what = (
@@ -437,7 +448,7 @@ _MARKER = re.compile(r"\b(\w+)\s+is\s+(None|[A-Z_]{3,})\b|==\s*(None|[A-Z_]{3,}|
 def _end_marker(frame: Frame) -> tuple[int, str] | None:
     """The line after a ``get()`` that ends the consumer's loop on a marker (``if item is
     None: return``), or the ``iter(queue.get, None)`` of the line itself."""
-    if match := re.search(r"\biter\(\s*[\w.]+\.get\s*,\s*([^)]+)\)", frame.line):
+    if re.search(r"\biter\(\s*[\w.]+\.get\s*,\s*([^)]+)\)", frame.line):
         return frame.lineno, frame.line
     for number, text in following_lines(frame, 4)[:2]:
         if text.startswith(("if ", "while ", "elif ")) and _MARKER.search(text):
@@ -448,7 +459,9 @@ def _end_marker(frame: Frame) -> tuple[int, str] | None:
 def _queue_get(proc: ProcessReport, task: TaskWait) -> Frame | None:
     """The user's frame of a thread blocked in a multiprocessing Queue's get()."""
     thread = task_thread(proc, task)
-    if thread is None or not any(in_file(f, "multiprocessing/queues.py", "get") for f in thread.frames):
+    if thread is None or not any(
+        in_file(f, "multiprocessing/queues.py", "get") for f in thread.frames
+    ):
         return None
     frame = next((f for f in thread.frames if not is_library(f)), None)
     return frame if frame is not None and ".get(" in frame.line else None
@@ -510,8 +523,10 @@ def hint_full_pipe(procs: list[ProcessReport]) -> list[Hint]:
             continue
         parents = [by_pid[r] for r in sorted(readers)]
         waiting = [
-            r for r in parents
-            if (t := main_task(r)) is not None and any(e.pid == proc.pid and e.kind == CHILD for e in t.waits_for)
+            r
+            for r in parents
+            if (t := main_task(r)) is not None
+            and any(e.pid == proc.pid and e.kind == CHILD for e in t.waits_for)
         ]
         if len(waiting) != len(parents):
             continue
@@ -590,9 +605,7 @@ def hint_join_cycle(procs: list[ProcessReport]) -> list[Hint]:
         if wait_kind(end, task) != "blocked":
             continue
         later = [(p, sent) for p in path[:-1] if p.pid in releasers and (sent := _sends_later(p))]
-        steps = " -> ".join(
-            f"{who(p)}, which {doing(p)}" for p in path
-        )
+        steps = " -> ".join(f"{who(p)}, which {doing(p)}" for p in path)
         text = (
             f"a cycle of waits through {len(path)} processes: {steps}, for what only "
             + ", ".join(who(by_pid[r]) for r in sorted(releasers))
@@ -619,9 +632,13 @@ def hint_join_cycle(procs: list[ProcessReport]) -> list[Hint]:
                 "before waiting."
             )
         elif later:
-            text += " ".join(
-                f"{who(p)} sends it only after its join: line {n}, `{line}`." for p, (n, line) in later
-            ) + " Send it before joining (or join with a timeout and check the result)."
+            text += (
+                " ".join(
+                    f"{who(p)} sends it only after its join: line {n}, `{line}`."
+                    for p, (n, line) in later
+                )
+                + " Send it before joining (or join with a timeout and check the result)."
+            )
         else:
             text += "Nothing in the chain will send it: send it before any join."
         hints.append(

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+from typing import NamedTuple
 
-from ...report.model import Frame, Hint, ProcessReport
+from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ...report.waits import NOBODY, Futex
 from ..frames import fork_parent, importing, located, main_thread
 from ..graph import main_task, who
@@ -24,9 +25,14 @@ def _import_frame(frames: list[Frame]) -> Frame | None:
     return next((f for f in frames if not f.filename.startswith("<frozen importlib")), None)
 
 
-def _import_at_fork(
-    proc: ProcessReport, by_pid: dict[int, ProcessReport]
-) -> tuple[str, ProcessReport | None] | None:
+class _ImportAtFork(NamedTuple):
+    module: str
+    parent: ProcessReport | None
+    frame: Frame  # the import statement
+    task: TaskWait  # the thread that waits
+
+
+def _import_at_fork(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> _ImportAtFork | None:
     """(the module, the fork parent) of a forked process whose only thread waits at an import
     statement on a lock that no thread of the process can release: the module's import lock,
     held at fork by a thread of the parent that the child does not have."""
@@ -35,25 +41,29 @@ def _import_at_fork(
         return None
     frame = _import_frame(main.frames)
     match = _IMPORT.match(frame.line) if frame else None
-    if not match or not isinstance(task.wait, Futex) or not task.wait.private:
+    if frame is None or not match or not isinstance(task.wait, Futex) or not task.wait.private:
         return None
     if not any(e.kind == NOBODY for e in task.waits_for):
         return None  # another thread of the child may hold it: another story
     parent = fork_parent(proc, by_pid)
     if parent is None and not is_worker(proc):
         return None
-    return match.group(1) or match.group(2), parent
+    return _ImportAtFork(match.group(1) or match.group(2), parent, frame, task)
 
 
 def _importer(parent: ProcessReport | None, module: str) -> str:
     """The thread of ``parent`` that runs the module's top-level code, in words."""
+    if parent is None:
+        return ""
     tail = module.replace(".", "/")
-    for thread in parent.threads if parent else []:
+    for thread in parent.threads:
         for frame in thread.frames:
             path = frame.filename.replace(os.sep, "/").removesuffix(".py")
-            if frame.name == "<module>" and (path.endswith("/" + tail) or path.endswith(tail + "/__init__")):
+            if frame.name == "<module>" and (
+                path.endswith("/" + tail) or path.endswith(tail + "/__init__")
+            ):
                 return (
-                    f"; thread {thread.name!r} of {who(parent)} is importing it still"  # type: ignore[arg-type]
+                    f"; thread {thread.name!r} of {who(parent)} is importing it still"
                     f"{located(frame)}: `{frame.line}`"
                 )
     return ""
@@ -67,9 +77,7 @@ def hint_import_lock_at_fork(procs: list[ProcessReport]) -> list[Hint]:
         found = _import_at_fork(proc, by_pid)
         if found is None:
             continue
-        module, parent = found
-        frame = _import_frame(main_thread(proc).frames)  # type: ignore[union-attr]
-        assert frame is not None
+        module, parent, frame, task = found
         hints.append(
             Hint(
                 f"{who(proc)} waits at `import {module}`{located(frame)} for the module's import "
@@ -81,8 +89,7 @@ def hint_import_lock_at_fork(procs: list[ProcessReport]) -> list[Hint]:
                 + f". Import {module} in the parent before the workers start (at the top of the "
                 "module that starts them), or start them with spawn or forkserver.",
                 [
-                    f"{who(proc)} blocked in {main_task(proc).summary()}"  # type: ignore[union-attr]
-                    + " with no other thread, at "
+                    f"{who(proc)} blocked in {task.summary()} with no other thread, at "
                     f"{frame.filename}:{frame.lineno}: {frame.line}"
                 ],
                 rule="import_lock_at_fork",
@@ -96,9 +103,7 @@ def hint_still_starting(procs: list[ProcessReport]) -> list[Hint]:
     """Processes still importing at the deadline: it may be shorter than their start-up."""
     by_pid = {p.pid: p for p in procs}
     starting = [
-        p
-        for p in procs
-        if not is_pytest(p) and importing(p) and _import_at_fork(p, by_pid) is None
+        p for p in procs if not is_pytest(p) and importing(p) and _import_at_fork(p, by_pid) is None
     ]
     if not starting:
         return []

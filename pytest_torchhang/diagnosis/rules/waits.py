@@ -288,7 +288,10 @@ def hint_busy(procs: list[ProcessReport], explained: set[int] | None = None) -> 
 
 #: What a polling loop's condition reads, by the call in it, in the user's words.
 _POLLED = (
-    (re.compile(r"\bos\.path\.(exists|isfile|isdir)\(|\.(exists|is_file|is_dir)\(\)"), "a file's existence"),
+    (
+        re.compile(r"\bos\.path\.(exists|isfile|isdir)\(|\.(exists|is_file|is_dir)\(\)"),
+        "a file's existence",
+    ),
     (re.compile(r"\.value\b"), "a shared Value"),
     (re.compile(r"\.(empty|qsize)\(\)"), "a queue (queue.empty())"),
     (re.compile(r"\.is_set\(\)"), "an Event (event.is_set())"),
@@ -401,8 +404,10 @@ def hint_no_answer(procs: list[ProcessReport]) -> list[Hint]:
                 "answered, and nothing in it is working on an answer. Pass a timeout "
                 "(socket.create_connection(..., timeout=...), sock.settimeout(), "
                 "requests' timeout=), and find why the server does not reply.",
-                [f"{who(proc)} blocked in {task.summary()}: {sock.local} -> {sock.remote}"]
-                + [blocked_line(server)],
+                [
+                    f"{who(proc)} blocked in {task.summary()}: {sock.local} -> {sock.remote}",
+                    blocked_line(server),
+                ],
                 rule="no_answer",
                 pids=[proc.pid, server.pid],
             )
