@@ -11,8 +11,10 @@ from ...report.waits import (
     HOLDS_WRITE_END,
     MAPS,
     SOCKET_PEER,
+    Fifo,
     Pipe,
     Semaphore,
+    Socket,
 )
 from ..frames import (
     enclosing_class,
@@ -178,8 +180,8 @@ def _reads(proc: ProcessReport) -> list[tuple[TaskWait, Frame | None]]:
     main = main_task(proc)
     # in the pytest process, only the test's own thread: others may be left over from earlier tests
     for task in [main] if is_pytest(proc) and main else proc.tasks:
-        if task.call in ("read", "readv", "recvfrom", "recvmsg") and (
-            "pipe:" in task.obj or "socket:" in task.obj
+        if task.call in ("read", "readv", "recvfrom", "recvmsg") and isinstance(
+            task.wait, (Pipe, Socket)
         ):
             thread = task_thread(proc, task)
             if thread is not None:
@@ -251,14 +253,12 @@ def hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
 
 
 def _fifo_open(task: TaskWait) -> tuple[str, str, str] | None:
-    """(path, the end it opens, who holds it) of a thread blocked opening a FIFO, as the capture
-    wrote it in the object (``FIFO /p, opening it for reading; no process of the tree has it
-    open``); None for any other wait."""
-    if task.call not in ("open", "openat") or not task.obj.startswith("FIFO "):
+    """(path, the end it opens, who holds it) of a thread blocked opening a FIFO; None for any
+    other wait."""
+    wait = task.wait
+    if task.call not in ("open", "openat") or not isinstance(wait, Fifo) or not wait.opening:
         return None
-    head, _, held = task.obj.partition("; ")
-    path, _, end = head[len("FIFO ") :].rpartition(", opening it for ")
-    return (path, end, held) if path and end in ("reading", "writing") else None
+    return wait.path, wait.opening, wait.held
 
 
 def hint_fifo(procs: list[ProcessReport]) -> list[Hint]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
-from ...report.waits import SOCKET_PEER, Socket
+from ...report.waits import HOLDS_WRITE_END, LISTENING, NOBODY, OUTSIDE, SOCKET_PEER, Futex, Socket
 from ..frames import (
     collective_of,
     fork_parent,
@@ -107,10 +107,11 @@ def hint_dead(procs: list[ProcessReport]) -> list[Hint]:
 
 
 def _why_alone(proc: ProcessReport, task: TaskWait | None, name: str, forked: bool) -> str:
-    vias = " ".join(e.via for e in task.waits_for) if task else ""
-    if "no other thread" in vias:
+    edges = task.waits_for if task else []
+    private = task is not None and isinstance(task.wait, Futex) and task.wait.private
+    if private and any(e.kind == NOBODY for e in edges):
         reason = f"it is the only thread of its process{' (threads are not copied by fork)' if forked else ''}"
-    elif "own copy" in vias:
+    elif any(e.kind == HOLDS_WRITE_END and e.pid == proc.pid for e in edges):
         reason = "the only write end of the pipe it reads is its own"
     else:
         reason = "every other thread of its process waits too"
@@ -240,11 +241,17 @@ def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
         task = main_task(proc)
         if task is None or task.call not in READS or (is_rank(proc) or is_helper(proc)):
             continue
-        outside = [e for e in task.waits_for if e.pid == -1 and "socket" in e.via]
-        if not outside or any(e.pid > 0 for e in task.waits_for):
+        outside = [e for e in task.waits_for if e.kind in (OUTSIDE, LISTENING)]
+        if (
+            not isinstance(task.wait, Socket)
+            or not outside
+            or any(e.pid > 0 for e in task.waits_for)
+        ):
             continue
         name, frame = primitive(task_thread(proc, task))
-        hits.append(f"{who(proc)} in {name or task.call}{located(frame)}")
+        peer = f" from {task.wait.remote}" if task.wait.remote else ""
+        untimed = "" if task.timed else ", with no timeout"
+        hits.append(f"{who(proc)} in {name or task.call}{located(frame)}{peer}{untimed}")
         based.append(f"{who(proc)} blocked in {task.summary()}: {outside[0].via}")
         pids.append(proc.pid)
     if not hits:
