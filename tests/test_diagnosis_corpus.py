@@ -221,7 +221,7 @@ LABELS: dict[str, Label] = {
     "test_waits_fork_child_imports_a_module_a_parent_thread_was_importing": _label(
         "import_lock_at_fork",
         "import torchhang_corpus_slow_module",
-        "the module's import lock",
+        "for the import lock of torchhang_corpus_slow_module",
         "thread 'thread-",
         "spawn",
         role="target=_import_the_slow_module",
@@ -232,6 +232,28 @@ LABELS: dict[str, Label] = {
         "target=_start_and_join",
         "queue.put(none)",
         role="target=_wait_for_the_stop",
+    ),
+    # the same classes, written another way
+    "test_waits_two_consumers_iterate_to_a_sentinel_put_once": Label(
+        ("end_marker",),
+        ("iter(queue.get, none)", "the queue is empty", "one marker per consumer"),
+        role="target=_consume_until_the_sentinel",
+        facts_only=("dead",),
+    ),
+    "test_waits_recv_from_a_server_thread_of_the_test_that_never_answers": _label(
+        "no_answer", "served by thread 'stub-server' of pytest", "with no timeout", role="pytest"
+    ),
+    "test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes": Label(
+        ("poll_dead",),
+        ("sleeps between looks", "polls a file's existence", "exited with code 1"),
+        role="pytest",
+        facts_only=("dead",),
+    ),
+    "test_waits_fork_child_imports_by_name_a_module_a_parent_thread_was_importing": _label(
+        "import_lock_at_fork",
+        "for the import lock of torchhang_corpus_slow_module_by_name",
+        "thread 'late-importer'",
+        role="target=_import_by_name",
     ),
     # distributed: gloo ranks
     "test_distributed_ddp_uneven_inputs": _label(

@@ -1,5 +1,6 @@
 """Corpus: classes of wait whose cause has a name in the user's words (no torch in the children)."""
 
+import importlib
 import multiprocessing as mp
 import os
 import socket
@@ -159,3 +160,60 @@ def test_waits_join_chain_to_a_sentinel_sent_after_the_join():
     middle.start()
     middle.join()  # the test joins A, A joins B, B waits for the sentinel below
     queue.put(None)
+
+
+def _consume_until_the_sentinel(queue):
+    for _item in iter(queue.get, None):
+        pass
+
+
+def test_waits_two_consumers_iterate_to_a_sentinel_put_once():
+    queue = FORK.Queue()
+    consumers = [FORK.Process(target=_consume_until_the_sentinel, args=(queue,)) for _ in range(2)]
+    for consumer in consumers:
+        consumer.start()
+    for item in [*range(3), None]:  # one sentinel for two consumers
+        queue.put(item)
+    for consumer in consumers:
+        consumer.join()
+
+
+def _serve_in_this_process(server):
+    conns = []
+    while True:
+        conn, _ = server.accept()  # accepts, and never answers
+        conns.append(conn)
+
+
+def test_waits_recv_from_a_server_thread_of_the_test_that_never_answers():
+    server = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(
+        target=_serve_in_this_process, args=(server,), name="stub-server", daemon=True
+    ).start()
+    conn = socket.create_connection(server.getsockname())
+    conn.sendall(b"PING\n")
+    conn.recv(1)  # no timeout
+
+
+def test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes(tmp_path):
+    flag = str(tmp_path / "ready")
+    producer = FORK.Process(target=_fail_before_the_flag, args=(flag,))
+    producer.start()
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+
+
+def _import_by_name():
+    importlib.import_module("torchhang_corpus_slow_module_by_name")
+
+
+def test_waits_fork_child_imports_by_name_a_module_a_parent_thread_was_importing(tmp_path):
+    (tmp_path / "torchhang_corpus_slow_module_by_name.py").write_text(
+        "import time\ntime.sleep(20)\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    threading.Thread(target=_import_by_name, name="late-importer", daemon=True).start()
+    time.sleep(0.3)  # the thread now holds the module's import lock
+    child = FORK.Process(target=_import_by_name)
+    child.start()
+    child.join()

@@ -371,10 +371,11 @@ def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
         if any(pid not in by_pid for pid in sharers):
             continue
         others = [by_pid[pid] for pid in sorted(sharers) if pid not in {p for p, _ in waiting}]
+        mappers = others + list({p.pid: p for p, *_ in waiters}.values())
         if not all(
-            _cannot_release(o, t, waiting) for o in others for t in o.tasks if not ignored(o, t)
+            _cannot_release(o, t, waiting) for o in mappers for t in o.tasks if not ignored(o, t)
         ):
-            continue
+            continue  # a thread that runs, sleeps or may hold a slot could still release it
         hints.append(_leaked_hint(procs, waiters, others, sem, "multiprocessing"))
     # threading: every thread of a process waits in Semaphore.acquire, or joins without holding
     for proc in procs:
@@ -419,9 +420,13 @@ def _leaked_hint(
     else:
         what = f"`{name}`, a threading Semaphore or BoundedSemaphore"
         count = "its count is 0 (Semaphore.acquire waits only while it is)"
-    holders = (
-        "; ".join(f"{who(o)} {doing(o)}, and holds no acquire of it in its frames" for o in others)
-        or "every other thread of the process waits in the same acquire, or joins threads "
+    holders = "; ".join(
+        f"{who(o)} {doing(o)}, and holds no acquire of it in its frames" for o in others
+    ) or (
+        "no other live process maps it, and every other thread of the waiting processes waits "
+        "too, without an acquire of it in its frames"
+        if sem is not None
+        else "every other thread of the process waits in the same acquire, or joins threads "
         "without holding an acquire in its frames"
     )
     exited = [p for p in procs if p.exit_status and p.ppid in {o.pid for o in others} | set(pids)]
@@ -450,6 +455,8 @@ def _end_marker(frame: Frame) -> tuple[int, str] | None:
     None: return``), or the ``iter(queue.get, None)`` of the line itself."""
     if re.search(r"\biter\(\s*[\w.]+\.get\s*,\s*([^)]+)\)", frame.line):
         return frame.lineno, frame.line
+    if ".get(" in frame.line and _MARKER.search(frame.line):  # while (x := q.get()) is not None
+        return frame.lineno, frame.line
     for number, text in following_lines(frame, 4)[:2]:
         if text.startswith(("if ", "while ", "elif ")) and _MARKER.search(text):
             return number, text
@@ -464,7 +471,9 @@ def _queue_get(proc: ProcessReport, task: TaskWait) -> Frame | None:
     ):
         return None
     frame = next((f for f in thread.frames if not is_library(f)), None)
-    return frame if frame is not None and ".get(" in frame.line else None
+    if frame is None or not re.search(r"\.get\(|\biter\(\s*[\w.]+\.get\s*,", frame.line):
+        return None
+    return frame
 
 
 def hint_end_marker(procs: list[ProcessReport]) -> list[Hint]:
@@ -510,6 +519,15 @@ def hint_end_marker(procs: list[ProcessReport]) -> list[Hint]:
     return hints
 
 
+def _ancestors(by_pid: dict[int, ProcessReport], proc: ProcessReport) -> set[int]:
+    """``proc`` and its ancestors in the tree (a shell between a parent and the writer)."""
+    out = {proc.pid}
+    while (parent := by_pid.get(proc.ppid)) is not None and parent.pid not in out:
+        out.add(parent.pid)
+        proc = parent
+    return out
+
+
 def hint_full_pipe(procs: list[ProcessReport]) -> list[Hint]:
     """A child blocked writing a full pipe whose only reader waits for that child to exit."""
     by_pid = {p.pid: p for p in procs}
@@ -522,11 +540,12 @@ def hint_full_pipe(procs: list[ProcessReport]) -> list[Hint]:
         if not readers or any(r not in by_pid for r in readers):
             continue
         parents = [by_pid[r] for r in sorted(readers)]
+        line = _ancestors(by_pid, proc)
         waiting = [
             r
             for r in parents
             if (t := main_task(r)) is not None
-            and any(e.pid == proc.pid and e.kind == CHILD for e in t.waits_for)
+            and any(e.pid in line and e.kind == CHILD for e in t.waits_for)
         ]
         if len(waiting) != len(parents):
             continue

@@ -13,7 +13,10 @@ from ..frames import fork_parent, importing, located, main_thread
 from ..graph import main_task, who
 from ..roles import is_pytest, is_worker
 
-_IMPORT = re.compile(r"^\s*(?:import\s+([\w.]+)|from\s+([\w.]+)\s+import\b)")
+_IMPORT = re.compile(
+    r"^\s*(?:import\s+([\w.]+)|from\s+([\w.]+)\s+import\b)"
+    r"|\b(?:import_module|__import__)\(\s*['\"]([\w.]+)['\"]"
+)
 
 
 def _import_frame(frames: list[Frame]) -> Frame | None:
@@ -22,7 +25,13 @@ def _import_frame(frames: list[Frame]) -> Frame | None:
     bootstrap = [f for f in frames if f.filename.startswith("<frozen importlib")]
     if not bootstrap or frames[0] is not bootstrap[0] or "acquire" not in frames[0].name:
         return None
-    return next((f for f in frames if not f.filename.startswith("<frozen importlib")), None)
+    return next((f for f in frames if not _importlib(f)), None)
+
+
+def _importlib(frame: Frame) -> bool:
+    """importlib's own frames: the frozen bootstrap, and import_module's wrapper."""
+    path = frame.filename.replace(os.sep, "/")
+    return path.startswith("<frozen importlib") or path.endswith("/importlib/__init__.py")
 
 
 class _ImportAtFork(NamedTuple):
@@ -40,7 +49,7 @@ def _import_at_fork(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> _I
     if main is None or not main.frames or task is None or proc.busy:
         return None
     frame = _import_frame(main.frames)
-    match = _IMPORT.match(frame.line) if frame else None
+    match = _IMPORT.search(frame.line) if frame else None
     if frame is None or not match or not isinstance(task.wait, Futex) or not task.wait.private:
         return None
     if not any(e.kind == NOBODY for e in task.waits_for):
@@ -48,7 +57,12 @@ def _import_at_fork(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> _I
     parent = fork_parent(proc, by_pid)
     if parent is None and not is_worker(proc):
         return None
-    return _ImportAtFork(match.group(1) or match.group(2), parent, frame, task)
+    return _ImportAtFork(match.group(1) or match.group(2) or match.group(3), parent, frame, task)
+
+
+def _code(line: str) -> str:
+    """A source line without its trailing comment."""
+    return re.sub(r"\s+#[^'\"]*$", "", line)
 
 
 def _importer(parent: ProcessReport | None, module: str) -> str:
@@ -80,8 +94,9 @@ def hint_import_lock_at_fork(procs: list[ProcessReport]) -> list[Hint]:
         module, parent, frame, task = found
         hints.append(
             Hint(
-                f"{who(proc)} waits at `import {module}`{located(frame)} for the module's import "
-                f"lock, and no thread of it can release that lock: it was forked "
+                f"{who(proc)} waits at `{_code(frame.line)}`{located(frame)} for the import lock "
+                f"of {module}"
+                ", and no thread of it can release that lock: it was forked "
                 + (f"from {who(parent)} " if parent else "")
                 + f"while another thread of the parent was importing {module}, and fork copies "
                 "the lock held but not the thread that holds it"

@@ -3,6 +3,7 @@ outside peer, busy."""
 
 from __future__ import annotations
 
+import linecache
 import re
 
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
@@ -18,6 +19,7 @@ from ..frames import (
 )
 from ..graph import (
     READS,
+    SLEEP_CALLS,
     blocked_line,
     components,
     doing,
@@ -307,13 +309,38 @@ _POLLED = (
 
 
 def _polls(proc: ProcessReport) -> tuple[str, Frame] | None:
-    """(what it polls, the loop's frame) of a busy process spinning in a ``while`` loop."""
+    """(what it polls, the loop's ``while`` line) of a process in a polling loop: spinning on
+    the ``while`` line, or sleeping in the loop's body between two looks."""
     thread = main_thread(proc)
     frames = thread.frames if thread else []
     frame = next((f for f in frames if not is_library(f) and not f.filename.startswith("<")), None)
-    if frame is None or not frame.line.startswith("while "):
+    if frame is None:
         return None
+    if not frame.line.startswith("while "):
+        task = main_task(proc)
+        if not (task is not None and task.call in SLEEP_CALLS and "sleep(" in frame.line):
+            return None
+        head = _loop_head(frame)
+        if head is None:
+            return None
+        frame = head
     return next(((what, frame) for pattern, what in _POLLED if pattern.search(frame.line)), None)
+
+
+def _loop_head(frame: Frame) -> Frame | None:
+    """The ``while`` line of the loop whose body holds ``frame``'s line, up to 3 lines above."""
+    lines = linecache.getlines(frame.filename)[: frame.lineno]
+    if not lines:
+        return None
+    indent = len(lines[-1]) - len(lines[-1].lstrip())
+    for number in range(len(lines) - 1, max(len(lines) - 4, 0), -1):
+        text = lines[number - 1]
+        depth = len(text) - len(text.lstrip())
+        if text.strip() and depth < indent:
+            if text.strip().startswith("while "):
+                return Frame(frame.filename, number, frame.name, text.strip())
+            return None
+    return None
 
 
 def _producer_gone(
@@ -322,7 +349,9 @@ def _producer_gone(
     """(what it polls, the loop's frame, the exited children) of a busy process spinning in a
     polling loop while a child of it (or a sibling) has exited: nothing else says it will not
     come (a loop without such a child may just be slow)."""
-    found = _polls(proc) if proc.busy else None
+    task = main_task(proc)
+    sleeps = task is not None and task.call in SLEEP_CALLS
+    found = _polls(proc) if proc.busy or sleeps else None
     if found is None:
         return None
     dead = [p for p in procs if p.exit_status and p.ppid in (proc.pid, proc.ppid) and p is not proc]
@@ -355,8 +384,13 @@ def hint_poll_dead(procs: list[ProcessReport]) -> list[Hint]:
         ]
         hints.append(
             Hint(
-                f"{who(proc)} spins (+{proc.cpu_delta_s:.2f}s CPU during the capture) in a loop "
-                f"that polls {what}{located(frame)}: `{frame.line}`, and the child that was to "
+                f"{who(proc)} "
+                + (
+                    f"spins (+{proc.cpu_delta_s:.2f}s CPU during the capture)"
+                    if proc.busy
+                    else "sleeps between looks"
+                )
+                + f" in a loop that polls {what}{located(frame)}: `{frame.line}`, and the child that was to "
                 "make it is gone: "
                 + "; ".join(f"{who(p)} {p.exit_status}" for p in dead)
                 + ("; " + "; ".join(errors) if errors else "")
@@ -379,7 +413,10 @@ def _serving_thread(server: ProcessReport, address: str) -> str:
             thread = task_thread(server, task)
             name, frame = primitive(thread)
             label = f"thread {thread.name!r}" if thread and thread.name else f"thread {task.tid}"
-            return f"{label} of {who(server)}, which waits in {name or task.call}{located(frame)} for the next client"
+            return (
+                f"{label} of {who(server)}, which waits in {name or task.call}{located(frame)} "
+                "for the next client"
+            )
     return who(server)
 
 
@@ -395,12 +432,15 @@ def hint_no_answer(procs: list[ProcessReport]) -> list[Hint]:
         sock = task.wait
         if not isinstance(sock, Socket) or sock.family != "tcp" or not sock.remote:
             continue
-        peers = {e.pid for e in task.waits_for if e.kind == SOCKET_PEER} - {proc.pid}
+        peers = {e.pid for e in task.waits_for if e.kind == SOCKET_PEER}
         if len(peers) != 1 or next(iter(peers)) not in by_pid:
-            continue
+            continue  # a server of the tree holds the other end (a thread of this one, maybe)
         server = by_pid[next(iter(peers))]
-        if server.busy or server.exit_status or any(t.call == "running" for t in server.tasks):
+        others = [t for t in server.tasks if t is not task and not ignored(server, t)]
+        if server.exit_status or any(t.call == "running" or t.state == "R" for t in others):
             continue  # it may be computing the answer
+        if server is not proc and server.busy:
+            continue
         name, frame = primitive(task_thread(proc, task))
         hints.append(
             Hint(
