@@ -603,6 +603,16 @@ def _join_path(by_pid: dict[int, ProcessReport], start: ProcessReport) -> list[P
         path.append(nxt[0])
 
 
+def _only_waits(proc: ProcessReport) -> bool:
+    """No thread of ``proc`` but its main one runs, sleeps (to wake up and act) or is stopped."""
+    main = main_task(proc)
+    return not proc.busy and all(
+        wait_kind(proc, t) not in ("running", "sleeping", "stopped")
+        for t in proc.tasks
+        if t is not main and not ignored(proc, t)
+    )
+
+
 def hint_join_cycle(procs: list[ProcessReport]) -> list[Hint]:
     """A chain of joins whose last process waits for data (a pipe, a Queue, an Event) that only
     the joiners can send, one of them after its join: a cycle, named through all of them."""
@@ -621,7 +631,7 @@ def hint_join_cycle(procs: list[ProcessReport]) -> list[Hint]:
         } - {end.pid}
         if not releasers or not releasers <= {p.pid for p in path[:-1]}:
             continue
-        if wait_kind(end, task) != "blocked":
+        if wait_kind(end, task) != "blocked" or not all(_only_waits(p) for p in path):
             continue
         later = [(p, sent) for p in path[:-1] if p.pid in releasers and (sent := _sends_later(p))]
         steps = " -> ".join(f"{who(p)}, which {doing(p)}" for p in path)

@@ -354,7 +354,7 @@ def _producer_gone(
     found = _polls(proc) if proc.busy or sleeps else None
     if found is None:
         return None
-    dead = [p for p in procs if p.exit_status and p.ppid in (proc.pid, proc.ppid) and p is not proc]
+    dead = [p for p in procs if _failed(p) and p.ppid in (proc.pid, proc.ppid) and p is not proc]
     # a live process of the test that runs could still make it: then the loop may just wait
     working = [
         p
@@ -362,6 +362,11 @@ def _producer_gone(
         if p is not proc and not p.exit_status and not is_helper(p) and (p.busy or _runs(p))
     ]
     return (*found, dead) if dead and not working else None
+
+
+def _failed(proc: ProcessReport) -> bool:
+    """The process is gone with an error: a non-zero exit code, or killed by a signal."""
+    return bool(proc.exit_status) and proc.exit_status != "exited with code 0"
 
 
 def _runs(proc: ProcessReport) -> bool:
