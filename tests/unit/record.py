@@ -83,6 +83,10 @@ CHOSEN = (
     "test_waits_recv_from_a_server_that_accepted_and_never_answers",
     "test_waits_fork_child_imports_a_module_a_parent_thread_was_importing",
     "test_waits_join_chain_to_a_sentinel_sent_after_the_join",
+    "test_waits_two_consumers_iterate_to_a_sentinel_put_once",
+    "test_waits_recv_from_a_server_thread_of_the_test_that_never_answers",
+    "test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes",
+    "test_waits_fork_child_imports_by_name_a_module_a_parent_thread_was_importing",
     # a stall: no progress for the stall time (tests/test_stall.py)
     "test_freezes_in_its_third_epoch",
     # gloo ranks
