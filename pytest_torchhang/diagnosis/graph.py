@@ -289,19 +289,32 @@ def following_lines(frame: Frame, limit: int = 12) -> list[tuple[int, str]]:
 _HOLDS = re.compile(r"^\s*with\s+(.+?)\s*(?:as\s+\w+\s*)?:|^\s*([\w.\[\]]+)\.acquire\(")
 
 
+def code(line: str) -> str:
+    """A source line without its trailing comment, to quote in a hint."""
+    return re.sub(r"\s+#[^'\"]*$", "", line)
+
+
 def holds_an_acquire(thread: ThreadStack | None) -> bool:
     """Whether a frame of the user's code in ``thread`` is inside a ``with X:`` block, or after
     an ``X.acquire()`` of its function with no release between: it may hold a lock or a
     semaphore slot, and release it when its wait ends. True when a source cannot be read."""
+    return acquire_held(thread) is not None
+
+
+def acquire_held(thread: ThreadStack | None) -> Frame | None:
+    """The line (as a frame: file, number, text) of the ``with X:`` or ``X.acquire()`` that a
+    frame of the user's code in ``thread`` may still hold (see :func:`holds_an_acquire`); the
+    frame itself when its source cannot be read."""
     for frame in thread.frames if thread else []:
         if is_library(frame):
             continue
         lines = linecache.getlines(frame.filename)[: frame.lineno]
         if not lines:
-            return True
+            return frame
         indent = len(lines[-1]) - len(lines[-1].lstrip())
         released: set[str] = set()
-        for line in reversed(lines[:-1]):
+        for number in range(len(lines) - 1, 0, -1):
+            line = lines[number - 1]
             stripped = line.strip()
             depth = len(line) - len(line.lstrip())
             if stripped.startswith(("def ", "async def ")) and depth < indent:
@@ -309,11 +322,12 @@ def holds_an_acquire(thread: ThreadStack | None) -> bool:
             if match := re.match(r"([\w.\[\]]+)\.release\(", stripped):
                 released.add(match.group(1))
             found = _HOLDS.match(line)
-            if found and found.group(1) and depth < indent:
-                return True
-            if found and found.group(2) and found.group(2) not in released:
-                return True
-    return False
+            if found and (
+                (found.group(1) and depth < indent)
+                or (found.group(2) and found.group(2) not in released)
+            ):
+                return Frame(frame.filename, number, frame.name, stripped)
+    return None
 
 
 def joins(proc: ProcessReport, task: TaskWait | None = None) -> bool:

@@ -217,3 +217,11 @@ def test_waits_fork_child_imports_by_name_a_module_a_parent_thread_was_importing
     child = FORK.Process(target=_import_by_name)
     child.start()
     child.join()
+
+
+def test_waits_semaphore_held_by_the_test_while_it_joins():
+    slots = FORK.BoundedSemaphore(1)
+    with slots:  # the test holds the only slot: not a leak, a deadlock
+        worker = FORK.Process(target=_handle, args=(slots, 1))
+        worker.start()
+        worker.join()

@@ -87,6 +87,7 @@ CHOSEN = (
     "test_waits_recv_from_a_server_thread_of_the_test_that_never_answers",
     "test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes",
     "test_waits_fork_child_imports_by_name_a_module_a_parent_thread_was_importing",
+    "test_waits_semaphore_held_by_the_test_while_it_joins",
     # a stall: no progress for the stall time (tests/test_stall.py)
     "test_freezes_in_its_third_epoch",
     # gloo ranks

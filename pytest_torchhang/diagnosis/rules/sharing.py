@@ -29,8 +29,10 @@ from ..frames import (
 from ..graph import (
     READS,
     WRITES,
+    acquire_held,
     blocked_line,
     chain,
+    code,
     cycle_text,
     doing,
     edge_lines,
@@ -647,7 +649,20 @@ def hint_join_cycle(procs: list[ProcessReport]) -> list[Hint]:
             + ", and each of them waits for the next one's exit. "
         )
         stdin = isinstance(task.wait, Pipe) and task.wait.fd == 0
-        if has_frame(end, "multiprocessing/queues.py", "put"):
+        held = [
+            (p, line)
+            for p in path[:-1]
+            if p.pid in releasers and (line := acquire_held(main_thread(p)))
+        ]
+        if isinstance(task.wait, Semaphore) and held and not has_frame(end, "multiprocessing/"):
+            text += (
+                " ".join(
+                    f"{who(p)} holds it across its join: line {line.lineno}, `{code(line.line)}`."
+                    for p, line in held
+                )
+                + " Release it before joining the process that waits for it."
+            )
+        elif has_frame(end, "multiprocessing/queues.py", "put"):
             text += (
                 f"{who(end)} waits in Queue.put() for room in a full bounded queue: only a get() "
                 "makes room, and the processes that could get() wait for exits. Get the items "
@@ -663,7 +678,7 @@ def hint_join_cycle(procs: list[ProcessReport]) -> list[Hint]:
         elif later:
             text += (
                 " ".join(
-                    f"{who(p)} sends it only after its join: line {n}, `{line}`."
+                    f"{who(p)} sends it only after its join: line {n}, `{code(line)}`."
                     for p, (n, line) in later
                 )
                 + " Send it before joining (or join with a timeout and check the result)."

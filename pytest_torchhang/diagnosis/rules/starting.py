@@ -10,7 +10,7 @@ from typing import NamedTuple
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ...report.waits import NOBODY, Futex
 from ..frames import fork_parent, importing, located, main_thread
-from ..graph import main_task, who
+from ..graph import code, main_task, who
 from ..roles import is_pytest, is_worker
 
 _IMPORT = re.compile(
@@ -60,11 +60,6 @@ def _import_at_fork(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> _I
     return _ImportAtFork(match.group(1) or match.group(2) or match.group(3), parent, frame, task)
 
 
-def _code(line: str) -> str:
-    """A source line without its trailing comment."""
-    return re.sub(r"\s+#[^'\"]*$", "", line)
-
-
 def _importer(parent: ProcessReport | None, module: str) -> str:
     """The thread of ``parent`` that runs the module's top-level code, in words."""
     if parent is None:
@@ -94,7 +89,7 @@ def hint_import_lock_at_fork(procs: list[ProcessReport]) -> list[Hint]:
         module, parent, frame, task = found
         hints.append(
             Hint(
-                f"{who(proc)} waits at `{_code(frame.line)}`{located(frame)} for the import lock "
+                f"{who(proc)} waits at `{code(frame.line)}`{located(frame)} for the import lock "
                 f"of {module}"
                 ", and no thread of it can release that lock: it was forked "
                 + (f"from {who(parent)} " if parent else "")

@@ -21,6 +21,7 @@ from ..graph import (
     READS,
     SLEEP_CALLS,
     blocked_line,
+    code,
     components,
     doing,
     edge_lines,
@@ -395,7 +396,7 @@ def hint_poll_dead(procs: list[ProcessReport]) -> list[Hint]:
                     if proc.busy
                     else "sleeps between looks"
                 )
-                + f" in a loop that polls {what}{located(frame)}: `{frame.line}`, and the child that was to "
+                + f" in a loop that polls {what}{located(frame)}: `{code(frame.line)}`, and the child that was to "
                 "make it is gone: "
                 + "; ".join(f"{who(p)} {p.exit_status}" for p in dead)
                 + ("; " + "; ".join(errors) if errors else "")
