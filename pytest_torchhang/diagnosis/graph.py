@@ -265,22 +265,24 @@ def user_frame(proc: ProcessReport, task: TaskWait | None = None) -> Frame | Non
 
 
 def following_lines(frame: Frame, limit: int = 12) -> list[tuple[int, str]]:
-    """(line number, text) of the lines after ``frame``'s in its function, as far as the
-    function goes (a line indented less than the frame's line's block ends it)."""
+    """(line number, text) of up to ``limit`` lines after ``frame``'s in its function (the
+    lines indented deeper than the function's ``def``)."""
     lines = linecache.getlines(frame.filename)
     if not 0 < frame.lineno <= len(lines):
         return []
-    start = lines[frame.lineno - 1]
-    indent = len(start) - len(start.lstrip())
+    body = len(lines[frame.lineno - 1]) - len(lines[frame.lineno - 1].lstrip())
+    top = 0  # the def's indent (a module's code: 0, and every line after it is "in" it)
+    for text in reversed(lines[: frame.lineno - 1]):
+        depth = len(text) - len(text.lstrip())
+        if text.lstrip().startswith(("def ", "async def ")) and depth < body:
+            top = depth + 1
+            break
     out = []
     for number in range(frame.lineno + 1, min(len(lines), frame.lineno + limit) + 1):
         text = lines[number - 1]
         if not text.strip() or text.strip().startswith("#"):
             continue
-        depth = len(text) - len(text.lstrip())
-        if depth < indent and text.lstrip().startswith(("def ", "async def ", "class ")):
-            break
-        if depth < indent - 4 or (depth < indent and indent <= 4):
+        if len(text) - len(text.lstrip()) < top:
             break
         out.append((number, text.strip()))
     return out

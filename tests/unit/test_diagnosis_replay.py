@@ -321,3 +321,11 @@ def test_a_chain_of_joins_is_named_to_its_end_with_the_sentinel_sent_after_the_j
         assert "a cycle of waits through 3 processes: pytest" in hint.text
         assert hint.text.count(" -> ") == 2 and len(hint.pids) == 3
         assert "sends it only after its join: line" in hint.text and sent in hint.text
+
+
+def test_a_semaphore_the_test_holds_across_its_join_is_not_called_leaked(replay: Replay) -> None:
+    name = "test_waits_semaphore_held_by_the_test_while_it_joins"
+    hints = _recorded_hints(name, replay)
+    assert "leaked_slots" not in [h.rule for h in hints]
+    hint = _one(name, "join_cycle", replay)
+    assert "holds it across its join: line" in hint.text and "`with slots:`" in hint.text
