@@ -368,6 +368,8 @@ def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
         assert isinstance(sem, Semaphore)
         if sem.value not in (0, None):
             continue  # a slot is free: the waiters are about to run
+        if sem.value is None and any(t.args[2:3] != [0] for _, t, _, _ in waiters):
+            continue  # unread, and the waits were not entered on a count of 0 either
         waiting = {(p.pid, t.tid) for p, t, _, _ in waiters}
         sharers = {e.pid for _, t, _, _ in waiters for e in t.waits_for if e.kind == MAPS}
         if any(pid not in by_pid for pid in sharers):
@@ -378,7 +380,7 @@ def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
             _cannot_release(o, t, waiting) for o in mappers for t in o.tasks if not ignored(o, t)
         ):
             continue  # a thread that runs, sleeps or may hold a slot could still release it
-        hints.append(_leaked_hint(procs, waiters, others, sem, "multiprocessing"))
+        hints.append(_leaked_hint(procs, waiters, others, sem))
     # threading: every thread of a process waits in Semaphore.acquire, or joins without holding
     for proc in procs:
         tasks = [t for t in proc.tasks if not ignored(proc, t)]
@@ -391,7 +393,7 @@ def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
             continue
         waiting = {(proc.pid, t.tid) for _, t, _, _ in stuck}
         if all(_cannot_release(proc, t, waiting) for t in tasks):
-            hints.append(_leaked_hint(procs, stuck, [], None, "threading"))
+            hints.append(_leaked_hint(procs, stuck, [], None))
     return hints
 
 
@@ -400,8 +402,8 @@ def _leaked_hint(
     waiters: list[tuple[ProcessReport, TaskWait, str, Frame]],
     others: list[ProcessReport],
     sem: Semaphore | None,
-    family: str,
 ) -> Hint:
+    """The hint of a leaked semaphore: ``sem`` for a multiprocessing one, None for threading."""
     name, frame = waiters[0][2], waiters[0][3]
     pids = sorted({p.pid for p, *_ in waiters})
     where = ", ".join(
@@ -417,7 +419,8 @@ def _leaked_hint(
         count = (
             f"its count is {sem.value} (read from the semaphore)"
             if sem.value is not None
-            else f"its count could not be read ({sem.unread}), and its waiters went to sleep on a count of 0"
+            else f"its count could not be read ({sem.unread}), and its waiters went to sleep "
+            "on a count of 0 (the value their futex wait expects)"
         )
     else:
         what = f"`{name}`, a threading Semaphore or BoundedSemaphore"
@@ -495,18 +498,20 @@ def hint_end_marker(procs: list[ProcessReport]) -> list[Hint]:
         if not writers or any(w not in by_pid for w in writers):
             continue
         idle = [by_pid[w] for w in sorted(writers)]
-        if not all(
-            joins(w) or _queue_get(w, t) is not None
-            for w in idle
-            for t in [main_task(w)]
-            if t is not None
-        ) or any(w.busy or _sends_later(w) for w in idle):
-            continue
+        if (
+            not all(
+                (t := main_task(w)) is not None and (joins(w, t) or _queue_get(w, t) is not None)
+                for w in idle
+            )
+            or any(_sends_later(w) for w in idle)
+            or not all(map(_only_waits, [proc, *idle]))
+        ):
+            continue  # a writer that may still put (later in its code, or on another thread)
         number, text = marker
         hints.append(
             Hint(
                 f"{who(proc)} waits in Queue.get(){located(frame)} for the end-of-stream marker "
-                f"that ends its loop (line {number}: `{text}`), and the queue is empty (its "
+                f"that ends its loop (line {number}: `{code(text)}`), and the queue is empty (its "
                 "reader is blocked reading the queue's pipe). No live process will put it: the "
                 "queue's write end is held by "
                 + "; ".join(f"{who(w)}, which {doing(w)}" for w in idle)
