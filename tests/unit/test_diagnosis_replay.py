@@ -191,6 +191,8 @@ def test_leaked_multiprocessing_semaphore_slots_are_named_with_the_count_read_fr
     assert "slots.acquire()" in hint.text and "Lock.acquire()" not in hint.text
     assert "multiprocessing semaphore" in hint.text
     assert "its count is 0 (read from the semaphore)" in hint.text
+    assert "created (by its name) as a BoundedSemaphore at test_corpus_waits.py:" in hint.text
+    assert "`slots = FORK.BoundedSemaphore(2)`" in hint.text
     assert "holds no acquire of it" in hint.text and "`with slots:`" in hint.text
 
 
@@ -201,6 +203,7 @@ def test_leaked_threading_semaphore_slots_are_named_from_the_threads_that_wait(
         "test_waits_threading_semaphore_slots_leak_on_an_early_return", "leaked_slots", replay
     )
     assert "threading Semaphore or BoundedSemaphore" in hint.text
+    assert "`slots = threading.BoundedSemaphore(2)`" in hint.text
     assert "its count is 0" in hint.text and "slots leaked" in hint.text
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import linecache
+import os
 import re
 
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
@@ -397,6 +399,29 @@ def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
     return hints
 
 
+_SEMAPHORES = ("BoundedSemaphore", "Semaphore", "RLock", "Lock")
+
+
+def _created_as(name: str, procs: list[ProcessReport]) -> tuple[Frame, str] | None:
+    """(the line, the class) where a function still on a stack of the tree made a semaphore or
+    lock called ``name`` (``slots = ctx.BoundedSemaphore(2)``, above the line that function
+    is at); None unless exactly one line does (a name alone is no proof: two are none)."""
+    made = re.compile(
+        rf"^\s*(?:self\.)?{re.escape(name)}\s*(?::[^=]+)?=\s*[\w.]*?\b({'|'.join(_SEMAPHORES)})\("
+    )
+    found: dict[tuple[str, int], tuple[Frame, str]] = {}
+    for frame in (f for p in procs for t in p.threads for f in t.frames if not is_library(f)):
+        lines = linecache.getlines(frame.filename)[: frame.lineno]
+        for number in range(len(lines), 0, -1):
+            line = lines[number - 1]
+            if match := made.match(line):
+                made_at = Frame(frame.filename, number, frame.name, code(line.strip()))
+                found[(frame.filename, number)] = (made_at, match.group(1))
+            if line.lstrip().startswith(("def ", "async def ")):
+                break  # the function's own lines only
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
 def _leaked_hint(
     procs: list[ProcessReport],
     waiters: list[tuple[ProcessReport, TaskWait, str, Frame]],
@@ -425,6 +450,12 @@ def _leaked_hint(
     else:
         what = f"`{name}`, a threading Semaphore or BoundedSemaphore"
         count = "its count is 0 (Semaphore.acquire waits only while it is)"
+    created = _created_as(name.rsplit(".", 1)[-1], [*procs])
+    if created is not None:
+        what += (
+            f", created (by its name) as a {created[1]} at "
+            f"{os.path.basename(created[0].filename)}:{created[0].lineno}: `{created[0].line}`"
+        )
     holders = "; ".join(
         f"{who(o)} {doing(o)}, and holds no acquire of it in its frames" for o in others
     ) or (
