@@ -180,6 +180,7 @@ LABELS: dict[str, Label] = {
         (
             "slots.acquire()",
             "multiprocessing semaphore",
+            "as a boundedsemaphore",
             "count is 0",
             "slots leaked",
             "with slots:",
@@ -188,7 +189,12 @@ LABELS: dict[str, Label] = {
         facts_only=("dead",),
     ),
     "test_waits_threading_semaphore_slots_leak_on_an_early_return": _label(
-        "leaked_slots", "slots.acquire()", "threading Semaphore", "slots leaked", role="pytest"
+        "leaked_slots",
+        "slots.acquire()",
+        "threading Semaphore",
+        "as a BoundedSemaphore",
+        "slots leaked",
+        role="pytest",
     ),
     "test_waits_one_end_marker_for_two_consumers": Label(
         ("end_marker",),
