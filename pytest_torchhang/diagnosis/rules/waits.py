@@ -352,7 +352,7 @@ def _producer_gone(
     come (a loop without such a child may just be slow)."""
     task = main_task(proc)
     sleeps = task is not None and task.call in SLEEP_CALLS
-    found = _polls(proc) if proc.busy or sleeps else None
+    found = _polls(proc) if _spins(proc) or sleeps else None
     if found is None:
         return None
     dead = [p for p in procs if _failed(p) and p.ppid in (proc.pid, proc.ppid) and p is not proc]
@@ -363,6 +363,13 @@ def _producer_gone(
         if p is not proc and not p.exit_status and not is_helper(p) and (p.busy or _runs(p))
     ]
     return (*found, dead) if dead and not working else None
+
+
+def _spins(proc: ProcessReport) -> bool:
+    """The process used CPU during the capture, or its main thread was running when read (on
+    a loaded machine a spinner may get too little CPU in the sample to be called busy)."""
+    task = main_task(proc)
+    return proc.busy or (task is not None and (task.call == "running" or task.state == "R"))
 
 
 def _failed(proc: ProcessReport) -> bool:
@@ -394,6 +401,8 @@ def hint_poll_dead(procs: list[ProcessReport]) -> list[Hint]:
                 + (
                     f"spins (+{proc.cpu_delta_s:.2f}s CPU during the capture)"
                     if proc.busy
+                    else "spins (it was running when the capture read it)"
+                    if _spins(proc)
                     else "sleeps between looks"
                 )
                 + f" in a loop that polls {what}{located(frame)}: `{code(frame.line)}`, and the child that was to "
@@ -403,7 +412,10 @@ def hint_poll_dead(procs: list[ProcessReport]) -> list[Hint]:
                 + ". No other process of the test runs: what it polls for will never come. Check the producer's exit (join it and read exitcode, "
                 "or wait on something it sets) and give the loop a deadline instead of polling "
                 "forever.",
-                [f"{who(proc)} +{proc.cpu_delta_s:.2f}s CPU at {frame.filename}:{frame.lineno}"]
+                [
+                    f"{who(proc)} +{proc.cpu_delta_s:.2f}s CPU, {proc.state}, at "
+                    f"{frame.filename}:{frame.lineno}"
+                ]
                 + [f"pid {p.pid} is a zombie: {p.exit_status}" for p in dead],
                 rule="poll_dead",
                 pids=[proc.pid],  # the exited children keep their own fact (hint_dead)
