@@ -18,12 +18,12 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from . import clock
 from .report.handoff import HEADLINE_PROPERTY
 from .report.model import HangReport
 
@@ -194,7 +194,7 @@ class HuntPlugin:
         self.run_all = run_all
         self.stress = stress
         self.tests: dict[str, Hunted] = {}
-        self.started = time.monotonic()
+        self.started = clock.monotonic()
         self._told = 0.0
         # Where a worker tells the others that a test hung (stop at the first hang, under
         # xdist): made by the controller (or a plain session), handed to the workers, removed
@@ -263,7 +263,7 @@ class HuntPlugin:
             os.sched_setaffinity(0, {allowed[index % len(allowed)]})  # children inherit it
         except (AttributeError, OSError):
             self._affinity = None
-        time.sleep(random.random() * 0.005)
+        clock.sleep(random.random() * 0.005)
 
     def end_run(self) -> None:
         if not self.stress:
@@ -304,7 +304,7 @@ class HuntPlugin:
             self._tell_progress()
 
     def _tell_progress(self) -> None:
-        now = time.monotonic()
+        now = clock.monotonic()
         if now - self._told < PROGRESS_EVERY_S or hasattr(self.config, "workerinput"):
             return
         self._told = now

@@ -14,7 +14,6 @@ import math
 import os
 import sys
 import threading
-import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ import pytest
 from . import settings
 
 if TYPE_CHECKING:
+    from .debuggers import DebuggerWatch
     from .hunt import HuntPlugin
     from .report.model import HangReport
     from .runner.api import TorchHang
@@ -38,6 +38,13 @@ _SESSION = pytest.StashKey["SessionState"]()
 _PER_TEST = "torchhang-per-test"
 _HUNT = "torchhang-hunt"
 _ITEM_SETTINGS = pytest.StashKey[settings.ItemSettings]()
+#: pytest-timeout's --timeout-disable-debugger-detection (or its ini key) is set
+_NO_DEBUGGER_DETECTION = pytest.StashKey[bool]()
+_DEBUGGER_WATCH = pytest.StashKey["DebuggerWatch"]()
+#: the deadline a phase of the item ran under: a setup under it is a rerun (rerunfailures)
+_PHASED = pytest.StashKey["TestDeadline"]()
+#: within pytest_exception_interact of a failure (without --pdb: nobody debugs it)
+_INTERACTING = pytest.StashKey[bool]()
 
 _TORCH_HANG_HELP = (
     f"{settings.MARKER}(timeout=None, stall=None, isolate=False): bound this test by timeout "
@@ -101,7 +108,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="torch_hang_native",
         action="store_true",
         default=False,
-        help="Add native stacks through py-spy where installed and permitted",
+        help="Add native stacks through pystack (or else py-spy) where installed and permitted",
     )
     parser.addini(
         settings.TIMEOUT_INI, "Seconds before a test counts as hung (0 = off)", default=""
@@ -115,7 +122,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         # a string checked by the plugin: pytest's own "bool" type fails without naming the key
         settings.NATIVE_INI,
-        "Add native stacks through py-spy (true/false)",
+        "Add native stacks through pystack or py-spy (true/false)",
         default="",
     )
 
@@ -127,10 +134,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "gpu(count=1): needs count CUDA GPUs (pytest-torchhang)")
         config.addinivalue_line("markers", "cpu: must not touch a GPU (pytest-torchhang)")
         return
-    from . import devices
+    from . import debuggers, devices
     from .session import SessionState
 
     config.stash[_SESSION] = SessionState(config, session_settings, os.dup(2))
+    config.stash[_NO_DEBUGGER_DETECTION] = debuggers.detection_disabled(config)
     config.pluginmanager.register(devices.DevicePlugin(config), "torchhang-devices")
     if session_settings.hunt:
         from .hunt import HuntPlugin
@@ -229,7 +237,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
 
     item_settings = item.stash.get(_ITEM_SETTINGS, None)
     stall = item_settings.stall if item_settings else 0.0
-    state.arm(item, float(settings.timeout), stall, Source.PYTEST_TIMEOUT)
+    _watch_debuggers(item, state.arm(item, float(settings.timeout), stall, Source.PYTEST_TIMEOUT))
     return True
 
 
@@ -240,6 +248,8 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     state = item.config.stash.get(_SESSION, None)
     if state is None:
         return None
+    if item.stash.get(_INTERACTING, False):  # a failure without --pdb: the limit stays
+        return True
     held = _deadline(item)
     if held is not None:
         from .deadline import ClearLimit, Source
@@ -248,13 +258,53 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     return True
 
 
+def _watch_debuggers(item: pytest.Item, held: TestDeadline) -> None:
+    """Give the test's deadline its debugger check (pytest-timeout's rule, ``debuggers.py``),
+    unless pytest-timeout's switch turns detection off; on the test's thread."""
+    if item.config.stash.get(_NO_DEBUGGER_DETECTION, False):
+        return
+    watch = item.stash.get(_DEBUGGER_WATCH, None)
+    if watch is None or held.debugger is not watch:
+        from .debuggers import DebuggerWatch
+
+        watch = item.stash[_DEBUGGER_WATCH] = DebuggerWatch(item.nodeid, held.thread_id)
+        held.debugger = watch
+    watch.saw(sys.gettrace())
+
+
 def pytest_enter_pdb(config: pytest.Config) -> None:
     """No hang is declared, and nothing killed, once a user has sat in the debugger: every clock
     of the current test stops for the rest of it (pytest-timeout's rule too, which users know:
-    after ``continue`` a test is being debugged, and killing it a second later would surprise)."""
+    after ``continue`` a test is being debugged, and killing it a second later would surprise).
+    pytest-timeout's ``--timeout-disable-debugger-detection`` turns it off, as there."""
+    if config.stash.get(_NO_DEBUGGER_DETECTION, False):
+        return
     state = config.stash.get(_SESSION, None)
     if state is not None and state.current is not None:
         state.pause(state.current)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_exception_interact(
+    node: pytest.Item | pytest.Collector,
+) -> Generator[None, object, object]:
+    """Under ``--pdb`` a failure of setup, call or teardown opens the post-mortem debugger
+    before the rest of the test runs: its clocks stop first, for the rest of it (pytest-timeout
+    cancels its timer here too). Without ``--pdb`` nothing waits for a user: pytest-timeout's
+    cancel, which it makes here at every failure, is ignored, so that the rest of a failing test
+    (its teardown, where joins of workers hang) stays bounded by ``--timeout`` too."""
+    state = node.config.stash.get(_SESSION, None)
+    held = _deadline(node) if isinstance(node, pytest.Item) else None
+    if state is None or held is None:
+        return (yield)
+    if node.config.getoption("usepdb", False):
+        state.pause(held)
+        return (yield)
+    node.stash[_INTERACTING] = True
+    try:
+        return (yield)
+    finally:
+        del node.stash[_INTERACTING]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -292,7 +342,9 @@ def pytest_terminal_summary(
     stats = terminalreporter.stats
     hunter = _hunter(config)
     failures = stats.get("failed", []) + stats.get("error", [])
-    if state is None or not (state.notes or state.leftovers or failures or hunter):
+    if state is None or not (
+        state.notes or state.leftovers or failures or hunter or stats.get("rerun")
+    ):
         return  # nothing to say (and nothing more to import)
     from .report import handoff
 
@@ -315,9 +367,13 @@ def pytest_terminal_summary(
             write(line)
         hunter.write_json(state.settings.report_dir)
     hangs = [r for r in failures if handoff.is_hang(r)]
-    if not hangs:
+    # pytest-rerunfailures: an attempt that hung and was run again is a "rerun", not a failure
+    reruns = [r for r in stats.get("rerun", []) if handoff.is_hang(r)]
+    if not hangs and not reruns:
         return
     terminalreporter.write_sep("=", "torch-hang summary", red=True, bold=True)
+    for report in reruns:
+        write(f"attempt {getattr(report, 'rerun', 0) + 1}, run again: {handoff.headline(report)}")
     for report in hangs:
         write(handoff.headline(report))
     if os.environ.get("GITHUB_ACTIONS") == "true":
@@ -415,7 +471,7 @@ class _PerTestHooks:
             item, state.settings
         )
         if item_settings.timeout > 0 or item_settings.stall > 0:
-            state.arm(item, item_settings.timeout, item_settings.stall)
+            _watch_debuggers(item, state.arm(item, item_settings.timeout, item_settings.stall))
         else:
             state.forget_births()
         hunter = _hunter(item.config)
@@ -430,6 +486,10 @@ class _PerTestHooks:
             if held is not None:
                 state.finish(held)
                 del item.stash[self._key]
+            if _PHASED in item.stash:  # the next run of the item starts afresh
+                del item.stash[_PHASED]
+            if _DEBUGGER_WATCH in item.stash:
+                del item.stash[_DEBUGGER_WATCH]
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(
@@ -447,7 +507,10 @@ class _PerTestHooks:
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, object, object]:
         return (yield from self._phase(item, "setup"))
 
-    @pytest.hookimpl(wrapper=True)
+    # trylast: the innermost wrapper, inside pytest-timeout's, which arms its func_only limit
+    # around the call (an outer wrapper would find no deadline, and the test would never be
+    # interrupted: only the monitor would end it, pytest and all)
+    @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
         return (yield from self._phase(item, "call"))
 
@@ -461,11 +524,38 @@ class _PerTestHooks:
         held = item.stash.get(self._key, None)
         if held is None:
             return (yield)
+        if name == "setup" and item.stash.get(_PHASED, None) is held:
+            held = self._rerun(item, held)
+        item.stash[_PHASED] = held
+        watch: DebuggerWatch | None = item.stash.get(_DEBUGGER_WATCH, None)
+        if watch is not None:
+            watch.saw(sys.gettrace())  # this thread's: the watchdog's own is not the test's
         held.enter_phase(name)
         try:
             return (yield)
         finally:
             held.leave_phase()
+
+    def _rerun(self, item: pytest.Item, held: TestDeadline) -> TestDeadline:
+        """The deadline of a new attempt of the test, whose setup starts now.
+
+        pytest-rerunfailures runs a test's setup, call and teardown again inside one
+        ``pytest_runtest_protocol``: each attempt gets the test's deadlines afresh (its limits
+        and stall time, as they were), so that a rerun is bounded as its first run was, neither
+        left to the grace of a first attempt that hung nor short of the time a slow one took.
+        (pytest-timeout's ``func_only`` limit, lifted after each call, is set again by it.)
+        """
+        from .deadline import Source
+
+        limits = [(limit.source, limit.seconds) for limit in held.state.limits]
+        stall = held.state.stall_s
+        self.state.finish(held)
+        del item.stash[self._key]
+        fresh = held
+        for source, seconds in limits or [(Source.TIMEOUT, 0.0)]:
+            fresh = self.state.arm(item, seconds, stall, source)
+        _watch_debuggers(item, fresh)
+        return fresh
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(
@@ -500,13 +590,14 @@ class _PerTestHooks:
         item_settings = pyfuncitem.stash.get(_ITEM_SETTINGS, None)
         if item_settings is None or not item_settings.isolate:
             return None
+        from . import clock
         from .runner import api
 
         funcargs = _own_arguments(pyfuncitem)
         held = pyfuncitem.stash.get(self._key, None)
         due = held.deadline if held is not None else math.inf
         timeout = (
-            max(due - time.monotonic() - api.MARGIN_S, 0.1)
+            max(due - clock.monotonic() - api.MARGIN_S, 0.1)
             if due < math.inf
             else api.DEFAULT_TIMEOUT_S
         )

@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pytest
 
-from . import deadline, settings
+from . import clock, deadline, settings
 
 # The guard's own modules are imported when a test is first guarded (a session without a
 # timeout never pays for them), and the cold path (psutil, the capture, the diagnosis, the
@@ -100,6 +99,10 @@ class SessionState:
         )
         self.monitor.ensure_started()
         self.watchdog = Watchdog(self.monitor, lambda: self.own_pids(start=False), self.notes)
+        if self.settings.hunt_stress:
+            # Once a session, as the progress board's pointer: a setenv per test would race
+            # the native threads (OpenMP, CUDA) that read the environment meanwhile.
+            os.environ[STRESS_ENV] = "1"
         if self.in_thread:
             self.notes.append(
                 "pytest runs in a thread other than the main one here, where no signal can "
@@ -149,7 +152,7 @@ class SessionState:
         from .capture.target import CaptureTarget
         from .watchdog import TestDeadline
 
-        now = time.monotonic()
+        now = clock.monotonic()
         state = deadline.start(now, {source: timeout_s}, stall_s)
         target = CaptureTarget(
             test_id=item.nodeid,
@@ -158,7 +161,7 @@ class SessionState:
             dump_dir=self.dump_dir,
             started=now,
             exclude=self.own_pids(start=False),  # started at activation; restarted on demand
-            shm_since=time.time(),
+            shm_since=clock.wall(),
             native=self.settings.native,
             before=self._take_births(),
         )
@@ -168,8 +171,6 @@ class SessionState:
         held = TestDeadline(target, state, threading.get_ident(), item=item)
         if stall_s > 0:
             held.board = self._progress_board()
-        if self.settings.hunt_stress:
-            os.environ[STRESS_ENV] = "1"
         item.stash[DEADLINE] = held
         self.current = held
         held.feed(deadline.Tick())  # the model's first wake time
@@ -201,8 +202,9 @@ class SessionState:
             self.current = None
 
     def _progress_board(self) -> beats.Reader:
-        """A new progress board for the test about to run, named in its environment: processes
-        an earlier test left running keep beating into that test's board, never this one."""
+        """A new progress board for the test about to run, named by the session's pointer:
+        processes an earlier test left running keep beating into that test's board, never this
+        one. The environment names the pointer from the first board to the session's end."""
         from .inject import beats  # only stall detection reads a board
 
         assert self.dump_dir is not None
@@ -215,8 +217,6 @@ class SessionState:
             from .inject import beats
 
             beats.end_board(held.board)  # a capture still running reads its last state
-        if self.settings.hunt_stress:
-            os.environ.pop(STRESS_ENV, None)
         self.disarm(held)
         if held.fired:
             held.wait_for_capture(PIPELINE_WAIT_S)
@@ -287,6 +287,8 @@ class SessionState:
                 described[proc.pid] = " ".join(proc.cmdline())[:200]
         result = kill.kill_tree(me, exclude=own, before=alive - theirs)
         self.leftovers = [f"{p.pid}: {described.get(p.pid, '?')}" for p in result.killed]
+        # what they made and held (a DataLoader worker's resource_sharer listener and pymp dir)
+        kill.remove_leftovers(result, living=[me])
 
     def close(self) -> None:
         if self.subprocess_runner is not None:
@@ -299,6 +301,12 @@ class SessionState:
         self.watchdog.stop()
         if self.monitor is not None:
             self.monitor.stop()
+        if self.settings.hunt_stress:
+            os.environ.pop(STRESS_ENV, None)
+        if self._boards and self.dump_dir is not None:
+            from .inject import beats
+
+            beats.end_session(self.dump_dir)
         processwide.release(self._take_error)
         if procfs.children(os.getpid()):  # orphans adopted as their subreaper may be left
             from .watchdog import forget_torn_out_modules

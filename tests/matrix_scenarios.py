@@ -251,6 +251,8 @@ def check_session(session: Session, group: Group) -> list[str]:
         problems.append(f"processes left running: {session.leftovers}")
     if session.new_shm:
         problems.append(f"/dev/shm segments left: {session.new_shm}")
+    if session.new_tmp:
+        problems.append(f"multiprocessing temp dirs left in TMPDIR: {session.new_tmp}")
     return problems
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import shutil
+import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -209,20 +213,36 @@ def test_native_stacks_show_the_c_frames_where_the_child_waits(guarded: GuardedR
     session.assert_clean()
 
 
+def _python_alone(root: Path) -> Path:
+    """This interpreter linked into ``root/bin``, alone there, with this one's packages.
+
+    A venv's interpreter linked elsewhere is the base interpreter again (the venv is the
+    ``pyvenv.cfg`` beside or above it), without the venv's site-packages, so without the plugin
+    (a fresh venv, as the README's test command makes, failed so). The venv's ``pyvenv.cfg``
+    beside the link and its ``lib`` linked keep them; its ``bin``, where the tools are, stays out.
+    """
+    (root / "bin").mkdir()
+    python = root / "bin" / "python"
+    os.symlink(sys.executable, python)
+    if sys.prefix != sys.base_prefix:
+        venv = Path(sys.prefix)
+        shutil.copy(venv / "pyvenv.cfg", root / "pyvenv.cfg")
+        for lib in ("lib", "lib64"):
+            if (venv / lib).is_dir():
+                os.symlink(venv / lib, root / lib)
+    return python
+
+
 def test_without_a_native_tool_the_report_says_so_in_one_line(
     guarded: GuardedRunner,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    import os
-    import sys
-
     # a python with no pystack or py-spy beside it, and a PATH without them
-    bin_dir = tmp_path_factory.mktemp("bin")
-    os.symlink(sys.executable, bin_dir / "python")
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    python = _python_alone(tmp_path_factory.mktemp("alone"))
+    monkeypatch.setenv("PATH", f"{python.parent}:/usr/bin:/bin")
     guarded.pytester.makepyfile(test_native=NATIVE)
-    session = guarded.run("--torch-hang-native", timeout=2, python=str(bin_dir / "python"))
+    session = guarded.run("--torch-hang-native", timeout=2, python=str(python))
     assert_hang(
         session,
         "test_child_waits_on_a_lock",

@@ -9,11 +9,11 @@ import re
 import signal
 import struct
 import sys
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from stat import S_ISFIFO
 
+from .. import clock
 from ..report import waits as w
 from ..report.model import TaskWait, WaitEdge
 from . import procfs, sockets
@@ -118,7 +118,7 @@ class _Reader:
         self.began_boot_s: float | None = None
 
     def late(self) -> bool:
-        return time.monotonic() > self.deadline
+        return clock.monotonic() > self.deadline
 
     # --- per-process tables -------------------------------------------------------------------
 
@@ -579,18 +579,18 @@ def read(
     """What every thread of ``pids`` (and their zombie children) waits for, bounded by ``budget_s``.
 
     ``skip_tids``: threads of the calling process that belong to the capture itself;
-    ``began``: when the test began (``time.monotonic()``); zombies older than that are left
+    ``began``: when the test began (``clock.monotonic()``); zombies older than that are left
     out (an earlier test's leftovers), and threads older than that are marked ``before_test``.
     Nothing is signalled or traced; files that cannot be read leave their fields empty. Reads
     that can block go through ``proc`` (a capture's reader, which then holds their notes).
     """
-    start = time.monotonic()
+    start = clock.monotonic()
     wanted = list(dict.fromkeys(pids))
     own_reader = proc is None
     proc = proc or procfs.ProcReader(deadline=start + budget_s)
     reader = _Reader(wanted, skip_tids or set(), start + budget_s, proc)
     if began is not None:  # the monotonic instant on the boot clock, both read at one moment
-        reader.began_boot_s = began + time.clock_gettime(time.CLOCK_BOOTTIME) - time.monotonic()
+        reader.began_boot_s = began + clock.boottime() - clock.monotonic()
     evidence = Evidence()
     for pid in wanted:
         evidence.members[pid] = _member(reader, pid)
@@ -612,7 +612,7 @@ def read(
         )
     if own_reader:
         evidence.notes += proc.notes()
-    evidence.read_s = time.monotonic() - start
+    evidence.read_s = clock.monotonic() - start
     return evidence
 
 

@@ -7,12 +7,14 @@ loads it by path in every interpreter a guarded test starts, before any user cod
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import signal
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    import threading
     from collections.abc import Iterable
 
 #: Set by the plugin while a timeout is armed; names the directory for per-process dump files.
@@ -20,6 +22,26 @@ DUMP_DIR_ENV = "PYTEST_TORCH_HANG_DUMP_DIR"
 #: The signal a guarded process answers by writing the stacks of all its threads. A real-time
 #: signal, so it does not collide with SIGUSR1/SIGUSR2 handlers that training code installs.
 DUMP_SIGNAL = signal.SIGRTMIN + 5
+
+# Wall time out of reach of a test's patches of ``time`` (freezegun, time-machine), as the
+# package's ``clock.wall`` reads it (this module may not import the package): the host's while
+# it agrees with its last trusted reading carried on the boot clock, else that reading carried.
+# A note's time is compared with a capture's start.
+_boottime = functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+_realtime = functools.partial(time.time)
+_anchor = (time.time(), _boottime())
+
+
+def _wall() -> float:
+    global _anchor
+    wall_then, boot_then = _anchor
+    now = _boottime()
+    carried = wall_then + (now - boot_then)
+    host = _realtime()
+    if abs(host - carried) < 1.0:
+        _anchor = (host, now)
+        return host
+    return carried
 
 
 def dump_path(dump_dir: str, pid: int) -> str:
@@ -52,6 +74,23 @@ def notes_path(dump_dir: str, pid: int) -> str:
     return os.path.join(dump_dir, f"{pid}.notes")
 
 
+#: The plugin's own threads are named so, in Python and in the kernel (``/proc/PID/task/TID/comm``,
+#: cut at 15 bytes), so that a capture from outside leaves them out of the test's CPU.
+THREAD_PREFIX = "torchhang-"
+
+
+def name_thread(thread: threading.Thread) -> None:
+    """Give a started thread of the plugin its Python name in the kernel too (Python before 3.14
+    does not), where a reader from outside sees it."""
+    if thread.native_id is None:
+        return
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/comm", "w") as comm:
+            comm.write(thread.name.encode()[:15].decode(errors="ignore"))
+    except OSError:  # no procfs (another platform), or the thread is gone
+        pass
+
+
 def child_note(text: str) -> None:
     """Record a failure of the plugin's own child-side code (a patch, a listener) for the report.
 
@@ -62,7 +101,7 @@ def child_note(text: str) -> None:
     dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
     if not dump_dir:
         return
-    line = f"{time.time():.3f} " + " ".join(text.split())[:1000] + "\n"
+    line = f"{_wall():.3f} " + " ".join(text.split())[:1000] + "\n"
     try:
         fd = os.open(
             notes_path(dump_dir, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
@@ -386,10 +425,11 @@ def start_collectives_listener(since_ns: int | None = None) -> bool:
     thread = threading.Thread(
         target=_serve_collectives,
         args=(fifo, collectives_path(dump_dir, pid), since_ns or _Registration.group_since_ns),
-        name="torch-hang flight recorder",
+        name=f"{THREAD_PREFIX}flight-recorder",
         daemon=True,
     )
     thread.start()
+    name_thread(thread)
     _Registration.listener_pid = pid
     return True
 
@@ -402,9 +442,7 @@ def _wrap_init(module: object) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: object, **kwargs: object) -> object:
-        import time
-
-        _Registration.group_since_ns = time.time_ns()
+        _Registration.group_since_ns = int(_wall() * 1e9)
         result = init(*args, **kwargs)
         start_collectives_listener()
         return result

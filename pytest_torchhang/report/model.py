@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .. import clock
 from . import waits
 from .waits import WaitObject
 
@@ -269,10 +269,10 @@ class HangReport:
     killed: list[int] = field(default_factory=list)
     spared: list[int] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)
-    shm_removed: list[str] = field(default_factory=list)
+    shm_removed: list[str] = field(default_factory=list)  # /dev/shm names; temp-dir paths
     capture_s: float = 0.0
     kill_s: float = 0.0  # from the start of the kill to a dead, reaped tree
-    created: float = field(default_factory=time.time)
+    created: float = field(default_factory=clock.wall)
     notes: list[str] = field(default_factory=list)
     kind: str = "hang"  # "hang": past its deadline; "stall": no progress for the stall time
     progress: dict[str, Any] = field(default_factory=dict)  # a stall's progress, bounded
@@ -324,8 +324,15 @@ class HangReport:
             )
         if self.survivors:
             parts.append(f"COULD NOT KILL {self.survivors}")
-        if self.shm_removed:
-            parts.append(f"removed {len(self.shm_removed)} /dev/shm segment(s)")
+        # /dev/shm names are bare; what went from $TMPDIR (a Manager's listener) is a path
+        segments = [name for name in self.shm_removed if "/" not in name]
+        if segments:
+            parts.append(f"removed {len(segments)} /dev/shm segment(s)")
+        if len(segments) < len(self.shm_removed):
+            parts.append(
+                f"removed {len(self.shm_removed) - len(segments)} multiprocessing listener "
+                "socket(s) and dir(s) from the temp dir"
+            )
         return (
             "cleanup: "
             + "; ".join(parts)
@@ -443,6 +450,16 @@ def _task_lines(task: TaskWait, roles: dict[int, str], indent: str, own_pid: int
     return out
 
 
+def plugin_thread(thread: ThreadStack) -> bool:
+    """One of pytest-torchhang's own threads (watchdog, launcher, /proc reader, flight-recorder
+    listener): a ``threading`` thread whose outermost frame of its own is the plugin's."""
+    frames = thread.frames
+    if not frames or frames[-1].name != "_bootstrap":
+        return False
+    own = [f for f in frames if not f.filename.replace("\\", "/").endswith("/threading.py")]
+    return bool(own) and "/pytest_torchhang/" in own[-1].filename.replace("\\", "/")
+
+
 def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> list[str]:
     roles = roles or {}
     if proc.exit_status:
@@ -463,7 +480,9 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
     ]
     if proc.dump_status != "ok":
         out.append(f"    ({proc.dump_status})")
-    for thread in proc.threads[:MAX_THREADS]:
+    own = [t for t in proc.threads if plugin_thread(t)]
+    threads = [t for t in proc.threads if t not in own]
+    for thread in threads[:MAX_THREADS]:
         role = proc.thread_roles.get(thread.ident, "")
         words = ["main thread" if thread.current else "thread", thread.ident]
         words += [f'"{thread.name}"'] if thread.name else []
@@ -482,8 +501,11 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
                 out.append(f"            {frame.line}")
         if thread.truncated:
             out.append("        ...")
-    if len(proc.threads) > MAX_THREADS:
-        out.append(f"    ... {len(proc.threads) - MAX_THREADS} more thread(s) not shown")
+    if len(threads) > MAX_THREADS:
+        out.append(f"    ... {len(threads) - MAX_THREADS} more thread(s) not shown")
+    if own:
+        names = ", ".join(proc.thread_roles.get(t.ident) or t.name or t.ident for t in own)
+        out.append(f"    {len(own)} thread(s) of pytest-torchhang itself, not shown: {names}")
     native = [
         t for t in proc.tasks if not t.python_thread and any(e.pid != proc.pid for e in t.waits_for)
     ]

@@ -29,13 +29,12 @@ def _stress() -> None:
     """--torch-hang-hunt-stress: switch threads as often as possible, and start (and fork)
     each process after a random pause of up to 5 ms, so races get more chances to show."""
     import random
+    from time import sleep  # bound now: a fork's jitter must not call a test's patch of it
 
     _sys.setswitchinterval(1e-6)
 
     def jitter() -> None:
-        import time
-
-        time.sleep(random.random() * 0.005)
+        sleep(random.random() * 0.005)
 
     jitter()
     _os.register_at_fork(after_in_child=jitter)
