@@ -1,4 +1,6 @@
-"""Rules for what processes share: a Queue flushed at exit, a Manager, a Pool, a pipe, a FIFO."""
+"""Rules for what processes share: a Queue flushed at exit, a Manager, a Pool, a pipe, a FIFO,
+semaphore slots that leaked, an end marker nobody puts, a full pipe read only after the wait, a
+chain of joins to what its processes send only after them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Rules read from the wait-for graph: stopped, dead, deadlock, nothing can release, sleeper,
-outside peer, busy."""
+outside peer, a poll loop whose producer failed, a server that never answers, busy."""
 
 from __future__ import annotations
 
