@@ -302,7 +302,9 @@ def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
         "      blocked in read(fd 0: pipe:[[]*[]])*",
         "        waits for pid * [[]pytest[]] (pipe:[[]*[]], whose write end it holds)",
     )
-    assert "hint: 1 process(es) block reading a pipe" in text
+    # the test waits for the child, which reads the stdin the test never closes: a cycle
+    assert "hint: a cycle of waits through 2 processes: pytest" in text
+    assert "Close child.stdin" in text
     docs = {
         d["test_id"].split("::")[1]: d
         for d in (json.loads(p.read_text()) for p in reports.glob("*.json"))
@@ -313,7 +315,8 @@ def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
     (task,) = [t for t in child["tasks"] if t["tid"] == child["pid"]]
     assert task["call"] == "read" and task["python_thread"] == child["threads"][0]["ident"]
     assert {e["pid"] for e in task["waits_for"]} == {pytest_pid}
-    assert {h["rule"] for h in pipe["hints"]} == {"pipe"}
+    assert {h["rule"] for h in pipe["hints"]} == {"join_cycle"}
+    assert task["wait"] == {"kind": "pipe", "fd": 0, "inode": task["obj"][len("fd 0: pipe:[") : -1]}
     ranks = docs["test_ranks_part_ways"]
     collectives = {
         p["role"].split()[1]: p["collectives"] for p in ranks["processes"] if p["collectives"]

@@ -18,13 +18,25 @@ from .rules.loading import (
     hint_unpicklable_batch,
     hint_worker_lock,
 )
-from .rules.sharing import hint_fifo, hint_manager, hint_pipe, hint_pool_lost, hint_queue_join
-from .rules.starting import hint_still_starting
+from .rules.sharing import (
+    hint_end_marker,
+    hint_fifo,
+    hint_full_pipe,
+    hint_join_cycle,
+    hint_leaked_slots,
+    hint_manager,
+    hint_pipe,
+    hint_pool_lost,
+    hint_queue_join,
+)
+from .rules.starting import hint_import_lock_at_fork, hint_still_starting
 from .rules.waits import (
     hint_busy,
     hint_dead,
     hint_deadlock,
+    hint_no_answer,
     hint_outside,
+    hint_poll_dead,
     hint_sleeper,
     hint_stopped,
 )
@@ -135,6 +147,13 @@ RULES: tuple[Rule, ...] = (
     hint_queue_join,
     hint_manager,
     hint_pool_lost,
+    hint_import_lock_at_fork,
+    hint_leaked_slots,
+    hint_full_pipe,
+    hint_end_marker,
+    hint_join_cycle,
+    hint_no_answer,
+    hint_poll_dead,
     hint_fifo,
     hint_pipe,
     hint_openmp_after_fork,

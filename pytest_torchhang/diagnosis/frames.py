@@ -261,6 +261,11 @@ def primitive(thread: ThreadStack | None) -> tuple[str, Frame | None]:
         frame = frames[user]
         line = frame.line
         if "acquire(" in line or ("with " in line and "lock" in line.lower()):
+            # a C acquire called from the user's code: its object's name says what it is only
+            # when it says lock (a semaphore's acquire is not a Lock's)
+            match = re.search(r"([\w.\[\]]+)\.acquire\(", line)
+            if match and "lock" not in match.group(1).lower():
+                return f"{match.group(1)}.acquire()", frame
             return "Lock.acquire()", frame
         if "sleep(" in line:
             return "time.sleep()", frame

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import clock
+from . import waits
+from .waits import WaitObject
 
 #: Version of the JSON document written per hang; bump on incompatible changes.
 SCHEMA_VERSION = 1
@@ -52,6 +54,9 @@ class WaitEdge:
     pid: int
     tid: int = 0
     via: str = ""
+    #: what ``pid`` is to the wait (``report.waits.HOLDS_WRITE_END``, ``CHILD``, ...); "" in
+    #: reports written before edges had kinds
+    kind: str = ""
 
 
 @dataclass
@@ -70,6 +75,8 @@ class TaskWait:
     python_thread: str = ""  # ident of the Python thread this is, when known
     before_test: bool = False  # started before the test began (an earlier test's, a session's)
     timed: bool = False  # the wait has a timeout: the thread wakes up by itself
+    #: the object as data (``report.waits``); ``obj`` is its summary, for readers of the text
+    wait: WaitObject | None = None
 
     def summary(self) -> str:
         """``read(fd 3: pipe:[307072]) [anon_pipe_read]``, or ``running``."""
@@ -431,11 +438,13 @@ class HangReport:
             del doc["cause"]
         if not doc["culprits"]:
             del doc["culprits"]
-        for proc in doc["processes"]:
+        for proc, report in zip(doc["processes"], self.processes, strict=True):
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]
             if not proc["event_loops"]:
                 del proc["event_loops"]
+            for task, kept in zip(proc["tasks"], report.tasks, strict=True):
+                task["wait"] = waits.to_json(kept.wait)  # with its tag, which asdict drops
         doc["schema"] = "pytest-torchhang/hang-report"
         doc["schema_version"] = SCHEMA_VERSION
         return doc
@@ -470,10 +479,7 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
         ThreadStack(**{**t, "frames": [Frame(**f) for f in t.get("frames", [])]})
         for t in doc.get("threads", [])
     ]
-    fields["tasks"] = [
-        TaskWait(**{**t, "waits_for": [WaitEdge(**e) for e in t.get("waits_for", [])]})
-        for t in doc.get("tasks", [])
-    ]
+    fields["tasks"] = [_task_from_json(t) for t in doc.get("tasks", [])]
     fields["collectives"] = [Collective(**c) for c in doc.get("collectives", [])]
     fields["event_loops"] = [_loop_from_json(loop) for loop in doc.get("event_loops", [])]
     facts = doc.get("role_facts")
@@ -490,6 +496,22 @@ def _loop_from_json(doc: dict[str, Any]) -> EventLoop:
         for t in doc.get("tasks", [])
     ]
     return EventLoop(**{**doc, "tasks": tasks})
+
+
+def _task_from_json(doc: dict[str, Any]) -> TaskWait:
+    fields = dict(doc)
+    fields["waits_for"] = [
+        WaitEdge(**e)
+        if "kind" in e  # else written before edges had kinds: read from its words
+        else WaitEdge(**e, kind=waits.edge_kind_from_text(e.get("pid", 0), e.get("via", "")))
+        for e in doc.get("waits_for", [])
+    ]
+    if "wait" in doc:
+        fields["wait"] = waits.from_json(doc["wait"])
+    else:  # written before waits were data: read from its text
+        vias = tuple(e.via for e in fields["waits_for"])
+        fields["wait"] = waits.from_text(doc.get("call", ""), doc.get("obj", ""), vias)
+    return TaskWait(**fields)
 
 
 def _cap(block: str, limit: int) -> str:
