@@ -78,7 +78,8 @@ class RerunPlugin:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not self.controller:
             return
-        self.ran.add(report.nodeid)
+        if self.before:  # only a test of the record can leave it
+            self.ran.add(report.nodeid)
         if report.failed:
             from .report import handoff
 
