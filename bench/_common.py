@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import re
 import os
+import re
 import resource
 import statistics
 import subprocess

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from warm import SERVER_OF_THIS_PROCESS as WARM
 
 pytest_plugins = ["pytester"]
@@ -339,7 +340,9 @@ def _mp_temp_dirs(directory: Path) -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def _inner_sessions_as_ours(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _inner_sessions_as_ours(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Inner sessions run without pytest-randomly (a test extra), as the outer one does, and with
     pytest-asyncio's loop scope set (else it warns in every session); a test of the plugins users
     run enables randomly explicitly."""

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 import psutil
 
 from conftest import GuardedRunner
-
 from pytest_torchhang.capture import pipeline, waitgraph
 from pytest_torchhang.diagnosis.roles import is_busy
 from pytest_torchhang.report.model import ProcessReport

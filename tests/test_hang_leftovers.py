@@ -77,7 +77,9 @@ listener.close()
 """
 
 
-def _run_another_program(ready: Path, done: Path, name: str, directory: str, out: list[str]) -> None:
+def _run_another_program(
+    ready: Path, done: Path, name: str, directory: str, out: list[str]
+) -> None:
     """Once the test hangs, run ANOTHER_PROGRAM outside its tree (in its /dev/shm), then say so."""
     try:
         deadline = time.monotonic() + 120

@@ -15,6 +15,7 @@ stdout. One request at a time (each pytest-xdist worker has its own server).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import io
 import json
@@ -27,13 +28,10 @@ import traceback
 #: the interpreter's own path, without this script's directory
 BASE_PATH = sys.path[1:]
 
-import pytest  # noqa: E402  (what every inner session imports first)
 
 for _name in sys.argv[1:]:  # torch, torchvision: what the inner sessions' tests import
-    try:
+    with contextlib.suppress(ImportError):
         __import__(_name)
-    except ImportError:
-        pass
 
 _CLONE_NEWNS = 0x00020000
 _MS_BIND = 4096
@@ -103,10 +101,8 @@ def _session(request: dict[str, object]) -> int:
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     return status
 
 

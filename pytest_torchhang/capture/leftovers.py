@@ -168,9 +168,12 @@ def read_holding(
                 link = os.readlink(f"{base}/{fd}")
                 if link.startswith(SHM_DIR + "/"):
                     inodes.add(os.stat(f"{base}/{fd}").st_ino)
-                elif link.startswith("socket:[") and (path := sockets.get(int(link[8:-1]))):
-                    if is_listener(path):
-                        listeners.add((path, os.lstat(path).st_ino))
+                elif (
+                    link.startswith("socket:[")
+                    and (path := sockets.get(int(link[8:-1])))
+                    and is_listener(path)
+                ):
+                    listeners.add((path, os.lstat(path).st_ino))
     return Holding(pid, started, frozenset(inodes), frozenset(listeners))
 
 

@@ -188,7 +188,9 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     _sample_cpu(seen, t0)
     dumps = _take_stacks(target, procs, seen.own_stacks)
     reports = [
-        _with_dump(seen.facts[p.pid], dumps.get(p.pid, Dump("gone before its stack could be taken")))
+        _with_dump(
+            seen.facts[p.pid], dumps.get(p.pid, Dump("gone before its stack could be taken"))
+        )
         for p in procs
     ]
     _second_look(reports)
@@ -258,7 +260,12 @@ def _second_look(reports: list[ProcessReport]) -> None:
             continue
         before, cpu_before = first[report.pid]
         now, cpu = procfs.stat(report.pid), cpu_s(report.pid)
-        if now and cpu is not None and now.start_ticks == before.start_ticks and now.state in _ASLEEP:
+        if (
+            now
+            and cpu is not None
+            and now.start_ticks == before.start_ticks
+            and now.state in _ASLEEP
+        ):
             report.cpu_s = cpu
             report.cpu_delta_s = max(cpu - cpu_before, 0.0)
 
@@ -584,7 +591,9 @@ def _remove_leftovers(target: CaptureTarget, result: KillResult) -> list[str]:
     """/dev/shm segments and temp-dir listeners that the killed processes made or held."""
     root_lives = target.roots is not None or not target.kill_root
     # shm_since 0: a fixture call's children, whose leftovers count from the oldest one's start
-    return remove_leftovers(result, target.shm_since or None, [target.root_pid] if root_lives else [])
+    return remove_leftovers(
+        result, target.shm_since or None, [target.root_pid] if root_lives else []
+    )
 
 
 def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
