@@ -19,6 +19,7 @@ from asyncio_scenarios import (
     TIMED,
 )
 from conftest import GuardedRunner, Session, assert_hang
+from outcomes import assert_outcomes
 
 #: Inner sessions without pytest-rerunfailures' server thread, which could end any wait.
 ALONE = ("-p", "no:rerunfailures")
@@ -45,7 +46,7 @@ def test_an_awaited_event_nobody_sets_is_a_hang_with_its_task_and_the_next_async
 ) -> None:
     line = _line(EVENT, "await event.wait()")
     session = _session(guarded, EVENT, *ALONE)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_hang(
         session,
         "test_awaits_an_event_nobody_sets",
@@ -68,7 +69,7 @@ def test_another_thread_of_the_process_keeps_the_hint_from_saying_nothing_will_s
 ) -> None:
     line = _line(OTHER_THREAD, "await asyncio.Event().wait()")
     session = _session(guarded, OTHER_THREAD, *ALONE)
-    session.result.assert_outcomes(failed=1)
+    assert_outcomes(session.result, hang=1)
     report = assert_hang(
         session,
         "test_awaits_an_event_beside_another_thread",
@@ -82,7 +83,7 @@ def test_another_thread_of_the_process_keeps_the_hint_from_saying_nothing_will_s
 
 def test_a_wait_with_a_timeout_is_not_called_endless(guarded: GuardedRunner) -> None:
     session = _session(guarded, TIMED, *ALONE)
-    session.result.assert_outcomes(failed=1)
+    assert_outcomes(session.result, hang=1)
     report = assert_hang(
         session,
         "test_awaits_an_event_with_a_long_timeout",
@@ -97,7 +98,7 @@ def test_a_task_blocking_the_loops_thread_is_named_and_no_wait_is_called_endless
     guarded: GuardedRunner,
 ) -> None:
     session = _session(guarded, BLOCKED, *ALONE)
-    session.result.assert_outcomes(failed=1)
+    assert_outcomes(session.result, hang=1)
     report = assert_hang(
         session,
         "test_awaits_an_event_a_blocking_task_would_set",
@@ -114,7 +115,7 @@ def test_a_hang_on_a_module_scoped_loop_leaves_it_running_the_next_test(
     guarded: GuardedRunner,
 ) -> None:
     session = _session(guarded, MODULE_LOOP)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_hang(
         session,
         "test_awaits_an_event_on_the_module_loop",
@@ -128,7 +129,7 @@ def test_a_task_awaiting_a_queue_nobody_fills_is_shown_below_the_test_task_await
     guarded: GuardedRunner,
 ) -> None:
     session = _session(guarded, QUEUE, *ALONE)
-    session.result.assert_outcomes(failed=1)
+    assert_outcomes(session.result, hang=1)
     report = assert_hang(
         session,
         "test_awaits_a_queue_nobody_fills",
@@ -150,7 +151,7 @@ def test_a_gather_where_one_task_awaits_the_others_lock_names_both_and_who_refer
     held = _line(GATHER_LOCK, "await release.wait()")
     waits = _line(GATHER_LOCK, "async with lock:", "async def waiter")
     session = _session(guarded, GATHER_LOCK, *ALONE)
-    session.result.assert_outcomes(failed=1)
+    assert_outcomes(session.result, hang=1)
     assert_hang(
         session,
         "test_a_gather_where_one_task_awaits_the_others_lock",
@@ -168,7 +169,7 @@ def test_a_sync_test_whose_asyncio_run_hangs_is_a_hang_and_the_next_test_runs(
     guarded: GuardedRunner,
 ) -> None:
     session = _session(guarded, SYNC_RUN, *ALONE)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_hang(
         session,
         "test_a_sync_test_whose_asyncio_run_hangs",
@@ -182,7 +183,7 @@ def test_an_async_fixture_stuck_in_setup_and_an_async_generator_show_their_own_f
     guarded: GuardedRunner,
 ) -> None:
     session = _session(guarded, FIXTURE, *ALONE)
-    session.result.assert_outcomes(failed=1, errors=1)
+    assert_outcomes(session.result, hang=2)  # a hang in setup counts as a hang
     fixture = _line(FIXTURE, "await asyncio.Event().wait()")
     assert_hang(
         session,
@@ -204,7 +205,7 @@ def test_an_async_fixture_stuck_in_setup_and_an_async_generator_show_their_own_f
 
 def test_children_whose_loops_are_stuck_answer_with_their_tasks(guarded: GuardedRunner) -> None:
     session = _session(guarded, CHILD, *ALONE)
-    session.result.assert_outcomes(failed=2)
+    assert_outcomes(session.result, hang=2)
     assert_hang(
         session,
         "test_a_child_process_whose_loop_is_stuck",
@@ -229,7 +230,7 @@ def test_pytest_timeouts_option_shows_the_tasks_as_ours_does(
     guarded: GuardedRunner, option: str
 ) -> None:
     session = _session(guarded, EVENT, option, *ALONE, timeout=None)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_hang(
         session,
         "test_awaits_an_event_nobody_sets",
@@ -239,7 +240,7 @@ def test_pytest_timeouts_option_shows_the_tasks_as_ours_does(
 
 def test_under_xdist_the_workers_tasks_reach_the_controllers_report(guarded: GuardedRunner) -> None:
     session = _session(guarded, EVENT, "-n", "1")
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_hang(
         session,
         "test_awaits_an_event_nobody_sets",

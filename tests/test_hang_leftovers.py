@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SHM_DIR, TAG_ENV, GuardedRunner, private_shm_supported
+from outcomes import assert_outcomes
 
 HOLDS_A_SEGMENT_AND_A_MANAGER = """
 import multiprocessing as mp
@@ -121,7 +122,7 @@ def test_a_hang_removes_its_trees_segments_and_manager_dir_and_not_another_progr
         session = guarded.run("--torch-hang-stall=2", "-p", "no:randomly", timeout=60, grace_s=5)
         other.join()
         assert ran and ran[0].startswith("rc=0"), ran
-        session.result.assert_outcomes(failed=1, passed=1)
+        assert_outcomes(session.result, stall=1, passed=1)
         report = session.report_of("test_hangs_holding_a_segment_and_a_manager")
         assert report.splitlines()[1].startswith("STALL after "), report[:2000]
         # the child's segment; the Manager's listener socket and its pymp dir
@@ -181,7 +182,7 @@ def test_the_torch_segment_is_gone():
 def test_a_hang_removes_the_torch_segments_of_its_tree(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_torch_leftovers=SHARES_A_TENSOR)
     session = guarded.run("--torch-hang-stall=2", "-p", "no:randomly", timeout=120, grace_s=10)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, stall=1, passed=1)
     report = session.report_of("test_hangs_with_a_child_holding_a_torch_segment")
     assert report.splitlines()[1].startswith("STALL after "), report[:2000]
     assert "[torch_shm_manager]" in report  # the segment's manager was in the tree

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import GuardedRunner, Session, assert_hang
 from matrix_scenarios import LATE_S
+from outcomes import assert_outcomes
 
 
 def assert_fired_in_time(session: Session, test_name: str, due_s: float, *expected: str) -> str:
@@ -44,7 +45,7 @@ def test_the_next_one_runs():
 def test_pytest_timeouts_func_only_limit_interrupts_the_call(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_fo=FUNC_ONLY)
     session = guarded.run("--timeout=2", "-o", "timeout_func_only=true", timeout=None)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_fired_in_time(session, "test_hangs_in_its_call", 2.0)
     assert "pytest included" not in session.text  # the watchdog acted, not the last resort
     session.assert_clean()
@@ -105,7 +106,7 @@ def test_a_debuggers_trace_function_holds_every_deadline_source(
     args, timeout, mark = DEADLINE_SOURCES[source]
     guarded.pytester.makepyfile(pydevd=PYDEVD, test_dbg=AT_A_BREAKPOINT.format(mark=mark))
     session = guarded.run(*args, timeout=timeout)
-    session.result.assert_outcomes(passed=1, failed=1)  # the other test still hangs, and fails
+    assert_outcomes(session.result, passed=1, hang=1)  # the other test still hangs, and fails
     assert_fired_in_time(session, "test_hangs_without_a_debugger", 1.0)
     session.result.stdout.fnmatch_lines(
         [
@@ -120,7 +121,7 @@ def test_a_debuggers_trace_function_holds_every_deadline_source(
 def test_a_debugger_holds_the_stall_time_too(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(pydevd=PYDEVD, test_dbg=AT_A_BREAKPOINT.format(mark=""))
     session = guarded.run("--torch-hang-stall=1", timeout=None)
-    session.result.assert_outcomes(passed=1, failed=1)
+    assert_outcomes(session.result, passed=1, stall=1)
     headline = session.report_of("test_hangs_without_a_debugger").splitlines()[1]
     assert headline.startswith("STALL after "), headline
     session.result.stdout.fnmatch_lines(
@@ -134,7 +135,7 @@ def test_pytest_timeouts_switch_lets_the_deadline_interrupt_a_debugger(
 ) -> None:
     guarded.pytester.makepyfile(pydevd=PYDEVD, test_dbg=AT_A_BREAKPOINT.format(mark=""))
     session = guarded.run("--timeout=1", "--timeout-disable-debugger-detection", timeout=None)
-    session.result.assert_outcomes(failed=2)
+    assert_outcomes(session.result, hang=2)
     assert_fired_in_time(session, "test_sits_at_a_breakpoint", 1.0, "*in trace_dispatch*")
     assert "held the test" not in session.result.stdout.str()
     session.assert_clean()
@@ -153,7 +154,7 @@ def test_sits_in_pdb():
 def test_pdb_set_outside_pytest_holds_the_deadline(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_pdb=IN_PDB)
     session = guarded.run("-s", timeout=1, stdin=b"import time; time.sleep(2.5)\ncontinue\n")
-    session.result.assert_outcomes(passed=1)
+    assert_outcomes(session.result, passed=1)
     assert "HANG" not in session.result.stdout.str()
     session.result.stdout.fnmatch_lines(["*held the test (a trace function from bdb)*"])
 
@@ -178,7 +179,7 @@ def test_fails(slow_to_tear_down):
 def test_the_post_mortem_debugger_holds_the_rest_of_the_test(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_pm=POST_MORTEM)
     session = guarded.run("--pdb", timeout=1, stdin=b"continue\n")
-    session.result.assert_outcomes(failed=1)
+    assert_outcomes(session.result, failed=1)  # its own failure: no hang
     assert "HANG" not in session.result.stdout.str()
 
 
@@ -188,8 +189,8 @@ def test_without_pdb_a_failing_tests_teardown_stays_bounded(
 ) -> None:
     guarded.pytester.makepyfile(test_pm=POST_MORTEM)
     session = guarded.run(option, timeout=None)
-    session.result.assert_outcomes(failed=1, errors=1)  # the call's failure, the teardown's hang
-    teardown = session.result.stdout.str().split("ERROR at teardown of test_fails", 1)
+    assert_outcomes(session.result, failed=1, hang=1)  # the call's failure, the teardown's hang
+    teardown = session.result.stdout.str().split("HANG at teardown of test_fails", 1)
     assert len(teardown) == 2, session.result.stdout.str()[-3000:]
     assert_in_time(teardown[1], 1.0)
 
@@ -221,7 +222,7 @@ def test_under_coverage_a_hang_fires_and_the_coverage_report_is_written(
     guarded.pytester.makepyfile(test_cov=HANGS_IN_A_CHILD)
     xml = guarded.pytester.path / "coverage.xml"
     session = guarded.run("--cov=.", f"--cov-report=xml:{xml}", option, timeout=None)
-    session.result.assert_outcomes(passed=1, failed=1)
+    assert_outcomes(session.result, passed=1, hang=1)
     assert_fired_in_time(
         session, "test_waits_for_a_child_forever", 1.0, "cleanup: killed 1 process*"
     )
@@ -256,7 +257,7 @@ def test_each_rerun_of_a_hanging_test_is_bounded_and_reported(
     session = guarded.run(
         "--reruns", "1", f"--torch-hang-report-dir={reports}", *options, timeout=None
     )
-    assert session.result.parseoutcomes() == {"failed": 1, "rerun": 1}
+    assert session.result.parseoutcomes() == {"hang": 1, "rerun": 1}
     assert_fired_in_time(session, "test_hangs", 2.0)
     session.result.stdout.fnmatch_lines(
         ["*torch-hang summary*", "attempt 1, run again: HANG after *", "HANG after *"]
@@ -301,7 +302,7 @@ def test_random_order_and_seeds_change_nothing_about_the_guard(
     monkeypatch.setenv("PYTEST_ADDOPTS", "")  # this inner session runs pytest-randomly
     guarded.pytester.makepyfile(test_rand=RANDOM)
     session = guarded.run("-p", "randomly", "-v", timeout=1)
-    session.result.assert_outcomes(passed=4, failed=1)
+    assert_outcomes(session.result, passed=4, hang=1)
     assert "Using --randomly-seed=" in session.result.stdout.str()
     assert_fired_in_time(session, "test_hangs", 1.0)
     session.assert_clean()
@@ -318,7 +319,7 @@ def test_under_xdist_with_reruns_and_coverage_each_attempt_is_bounded(
     session = guarded.run(
         "-n", "2", "--reruns", "1", "--cov=.", f"--cov-report=xml:{xml}", timeout=1
     )
-    assert session.result.parseoutcomes() == {"passed": 1, "failed": 1, "rerun": 1}
+    assert session.result.parseoutcomes() == {"passed": 1, "hang": 1, "rerun": 1}
     assert_fired_in_time(session, "test_waits_for_a_child_forever", 1.0)
     assert xml.is_file()
     session.assert_clean()
@@ -369,9 +370,13 @@ def test_the_workers_a_start_method_makes_for_a_hung_test_are_the_tests(
     guarded.pytester.makeconftest(START_METHOD_CONFTEST.format(method=method))
     guarded.pytester.makepyfile(test_sm=START_METHOD_TESTS)
     session = guarded.run("-p", "no:randomly", timeout=4)
-    session.result.assert_outcomes(passed=2, failed=1)
+    assert_outcomes(session.result, passed=2, hang=1)
     report = assert_fired_in_time(session, "test_workers_hang", 4.0)
+    # identical workers are shown once, the others named below the block
     workers = re.findall(r"^--- process (\d+) \[Pool worker\]", report, re.M)
+    workers += re.findall(
+        r"^ +the same stacks, shown once: .*?pid (\d+) \[Pool worker\]", report, re.M
+    )
     killed = re.search(r"^cleanup: killed \d+ process\(es\) \(([\d, ]+)\)", report, re.M)
     assert len(workers) == 2 and killed, report[:4000]
     assert set(workers) <= set(killed.group(1).split(", ")), killed.group(0)[:2000]
