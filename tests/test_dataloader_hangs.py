@@ -233,7 +233,7 @@ def test_of_four_workers_the_one_stuck_in_getitem_is_named_first_and_the_idle_th
     assert sum(line.startswith("--- process ") for line in lines) == 3  # stuck, pytest, idle
     assert "multiprocessing/popen_fork.py" not in report  # the fork's frames are cut
     # the plugin's own threads in pytest (the /proc reader) are one line, not a stack
-    assert "thread(s) of pytest-torchhang itself not shown:" in report
+    assert "thread(s) of pytest-torchhang itself, not shown:" in report
     assert "pytest_torchhang/capture/procfs.py" not in report
     session.assert_clean()
 

@@ -632,7 +632,7 @@ DEVICES_IMPORTS = {
     "__init__": {"devices.detect", "devices.leases", "devices.markers"},
     "build": set(),
     "detect": {"devices.build"},
-    "leases": {"settings"},
+    "leases": {"clock", "settings"},  # the one clock (clock.py: the floor of every room)
     "markers": {"devices.build", "devices.detect", "devices.leases", "settings"},
 }
 
