@@ -92,11 +92,10 @@ def _arm_progress_and_stress() -> None:
     when the test has stall detection, the hunt's stress when asked for."""
     if os.environ.get(beats.PROGRESS_ENV):
         beats.install()
-    if os.environ.get("PYTEST_TORCH_HANG_STRESS"):
-        import random
+    if os.environ.get("PYTEST_TORCH_HANG_STRESS"):  # stress.STRESS_ENV: loaded only if set
+        from ..inject import stress
 
-        sys.setswitchinterval(1e-6)
-        time.sleep(random.random() * 0.005)
+        stress.install_from_env(".r")  # its place: a child of the test's process
 
 
 def _load_main(path: str) -> None:

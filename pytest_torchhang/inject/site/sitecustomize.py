@@ -25,22 +25,6 @@ def _load(package_dir: str, name: str) -> object:
     return module
 
 
-def _stress() -> None:
-    """--torch-hang-hunt-stress: switch threads as often as possible, and start (and fork)
-    each process after a random pause of up to 5 ms, so races get more chances to show."""
-    import random
-
-    _sys.setswitchinterval(1e-6)
-
-    def jitter() -> None:
-        import time
-
-        time.sleep(random.random() * 0.005)
-
-    jitter()
-    _os.register_at_fork(after_in_child=jitter)
-
-
 def _note(hook: object, text: str) -> None:
     """Say what failed, for the hang report (``hook.child_note``, or its format by hand when
     ``hook`` itself could not be loaded)."""
@@ -76,7 +60,7 @@ def _torchhang_bootstrap() -> None:
             _load(package_dir, "beats").install()  # type: ignore[attr-defined]
         if _os.environ.get("PYTEST_TORCH_HANG_STRESS"):
             step = "start --torch-hang-hunt-stress"
-            _stress()
+            _load(package_dir, "stress").install_from_env()  # type: ignore[attr-defined]
     except Exception as exc:  # never break the child's start-up: say it instead
         _note(
             hook,
