@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 PIPELINE_WAIT_S = 30.0
 
 DEADLINE = pytest.StashKey["TestDeadline"]()
-#: --torch-hang-hunt-stress: the start-up hook of every process of the tree makes races likelier.
-STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
 
 
 def xdist_worker(config: pytest.Config) -> str | None:
@@ -168,8 +166,6 @@ class SessionState:
         held = TestDeadline(target, state, threading.get_ident(), item=item)
         if stall_s > 0:
             held.board = self._progress_board()
-        if self.settings.hunt_stress:
-            os.environ[STRESS_ENV] = "1"
         item.stash[DEADLINE] = held
         self.current = held
         held.feed(deadline.Tick())  # the model's first wake time
@@ -215,8 +211,6 @@ class SessionState:
             from .inject import beats
 
             beats.end_board(held.board)  # a capture still running reads its last state
-        if self.settings.hunt_stress:
-            os.environ.pop(STRESS_ENV, None)
         self.disarm(held)
         if held.fired:
             held.wait_for_capture(PIPELINE_WAIT_S)
