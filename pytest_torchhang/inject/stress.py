@@ -22,7 +22,9 @@ this module waits, briefly and at random, just before and just after each such o
 Each thread of each process follows its own schedule, in the manner of PCT (Burckhardt et al.,
 "A randomized scheduler with probabilistic guarantees of finding bugs", ASPLOS 2010): it has a
 priority, which drops at a few random points of its run; a low priority waits more often and
-longer. A schedule is drawn from ``random.Random(f"{seed}/{process}/{thread}")``, where the
+longer, above all right after it signals another (set, notify, release, put, send) or reads
+shared state (empty, qsize, is_set, poll, a Value). Only the outermost operation is a point:
+what a queue's ``get`` does inside (its lock, its pipe) is not. A schedule is drawn from ``random.Random(f"{seed}/{process}/{thread}")``, where the
 process is its place in the tree (``0`` for the first, ``0.2`` for its second fork, ``0.s1``
 for its first spawned child) and the thread its start order in that process: never a pid, so a
 seed replays the same decisions. No CPU pinning: races between processes need both CPUs.
@@ -35,6 +37,7 @@ only); the plugin's own threads (named ``torch-hang ...``) are never delayed.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import sys
@@ -58,8 +61,22 @@ START_JITTER_S = 0.005
 #: How many times a thread's priority drops, at points drawn among its first ``HORIZON`` ones.
 CHANGES = 2
 HORIZON = 64
+#: After these operations a thread waits longer (weight HEAVY, others LIGHT): right after it
+#: signals (set, notify, release, put, send), so the thread it woke may run first; right
+#: after it reads shared state (empty, qsize, is_set, poll, a Value), so the answer may age
+#: before it acts on it (check-then-act, the lost update).
+HEAVY_AFTER = tuple(
+    f"{op}/after"
+    for op in (
+        ".set", ".notify", ".notify_all", ".release", ".put", ".send", ".send_bytes",
+        ".__exit__", ".empty", ".qsize", ".is_set", ".poll", ".get_obj", ".__getitem__",
+        "Value.get", "Store.get", "Store.add", "Store.set",
+    )
+)
+HEAVY, LIGHT = 2.0, 0.5
+_WEIGHTS: dict[str, float] = {}
 #: Threads of the plugin itself (watchdog, launcher, listeners) are never delayed.
-OWN_THREADS = "torch-hang"
+OWN_THREADS = ("torch-hang", "pytest-torchhang")
 
 Callback = Callable[..., Any]
 
@@ -87,24 +104,25 @@ class _Schedule:
     """One thread's decisions: a priority that drops at a few points (PCT), and a stream of
     waits drawn from its own seeded generator."""
 
-    __slots__ = ("changes", "key", "ops", "priority", "rng")
+    __slots__ = ("changes", "depth", "key", "ops", "priority", "rng")
 
     def __init__(self, key: str) -> None:
         self.key = key
+        self.depth = 0  # inside a stressed operation: its own inner operations are not points
         self.rng = random.Random(f"{_State.seed}/{_State.identity}/{key}")
         self.priority = self.rng.random()
         self.changes = {self.rng.randint(1, HORIZON) for _ in range(CHANGES)}
         self.ops = 0
 
-    def decide(self) -> float:
-        """Seconds to wait at this point: 0 yields, -1 goes on at once."""
+    def decide(self, weight: float) -> float:
+        """Seconds to wait at a point of this ``weight``: 0 yields, -1 goes on at once."""
         self.ops += 1
         if self.ops in self.changes:
             self.priority = self.rng.random() * 0.25  # PCT: below the others, from here on
         draw, length = self.rng.random(), self.rng.expovariate(1.0)  # always two draws
         low = 1.0 - self.priority
-        if draw < 0.15 + 0.6 * low:
-            return min(MAX_DELAY_S, length * (0.0005 + 0.012 * low))
+        if draw < min(0.95, (0.1 + 0.6 * low) * weight):
+            return min(MAX_DELAY_S, length * (0.0003 + 0.012 * low) * weight)
         return 0.0 if draw < 0.9 else -1.0
 
 
@@ -135,9 +153,12 @@ def point(site: str) -> None:
         schedule = _schedule()
     except Exception:  # interpreter shutdown, a thread without a Python object
         return
-    if schedule is None:
+    if schedule is None or schedule.depth:
         return
-    wait = schedule.decide()
+    weight = _WEIGHTS.get(site)
+    if weight is None:
+        weight = _WEIGHTS[site] = HEAVY if site.endswith(HEAVY_AFTER) else LIGHT
+    wait = schedule.decide(weight)
     if wait > 0:
         if _State.budget_s <= 0:
             wait = 0.0
@@ -153,6 +174,24 @@ def point(site: str) -> None:
         time.sleep(wait)  # 0: let another thread run
 
 
+def call(site: str, op: Callback, *args: Any, before: bool = True, after: bool = True) -> Any:
+    """``op(*args)`` as one operation between two meeting points: what ``op`` does inside (a
+    queue's lock, a condition's semaphores) is its own business, not more points."""
+    if before:
+        point(site)
+    schedule = _schedule() if _State.active else None
+    if schedule is not None:
+        schedule.depth += 1
+    try:
+        result = op(*args)
+    finally:
+        if schedule is not None:
+            schedule.depth -= 1
+    if after:
+        point(site + "/after")
+    return result
+
+
 # --- the patches ------------------------------------------------------------------------------
 
 
@@ -164,12 +203,8 @@ def _around(owner: Any, name: str, before: bool = True, after: bool = True) -> N
     site = f"{owner.__module__.rsplit('.', 1)[-1]}.{owner.__name__}.{name}"
 
     def stressed(*args: Any, **kwargs: Any) -> Any:
-        if before:
-            point(site)
-        result = original(*args, **kwargs)
-        if after:
-            point(site + "/after")
-        return result
+        op = functools.partial(original, **kwargs) if kwargs else original
+        return call(site, op, *args, before=before, after=after)
 
     _set(owner, name, _like(stressed, original))
 
@@ -199,13 +234,13 @@ class _Lock:
         self._torch_hang_lock = lock
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        point("threading.Lock.acquire")
-        got: bool = self._torch_hang_lock.acquire(blocking, timeout)
+        got: bool = call(
+            "threading.Lock.acquire", self._torch_hang_lock.acquire, blocking, timeout, after=False
+        )
         return got
 
     def release(self) -> None:
-        self._torch_hang_lock.release()
-        point("threading.Lock.release/after")
+        call("threading.Lock.release", self._torch_hang_lock.release, before=False)
 
     __enter__ = acquire
 
@@ -223,12 +258,11 @@ def _patch_threading() -> None:
     original_start = threading.Thread.__dict__["start"]
 
     def start(self: threading.Thread) -> None:
-        if not self.name.startswith(OWN_THREADS):
-            _State.threads += 1
-            self._torch_hang_stress_index = _State.threads  # type: ignore[attr-defined]
-            point("threading.Thread.start")
-        original_start(self)
-        point("threading.Thread.start/after")
+        if self.name.startswith(OWN_THREADS):
+            return original_start(self)  # type: ignore[no-any-return]
+        _State.threads += 1
+        self._torch_hang_stress_index = _State.threads  # type: ignore[attr-defined]
+        call("threading.Thread.start", original_start, self)
 
     _set(threading.Thread, "start", _like(start, original_start))
     _around(threading.Thread, "join", after=False)
@@ -279,13 +313,11 @@ def _patch_multiprocessing() -> None:
         acquire, release = self.acquire, self.release
 
         def stressed_acquire(*args: Any, **kwargs: Any) -> Any:
-            point("synchronize.SemLock.acquire")
-            return acquire(*args, **kwargs)
+            op = functools.partial(acquire, **kwargs) if kwargs else acquire
+            return call("synchronize.SemLock.acquire", op, *args, after=False)
 
         def stressed_release() -> Any:
-            result = release()
-            point("synchronize.SemLock.release/after")
-            return result
+            return call("synchronize.SemLock.release", release, before=False)
 
         self.acquire, self.release = stressed_acquire, stressed_release
 
@@ -295,28 +327,24 @@ def _patch_multiprocessing() -> None:
         get, put = value.fget, value.fset
 
         def get_value(self: Any) -> Any:
-            point("sharedctypes.Value.get")
-            result = get(self)
-            point("sharedctypes.Value.get/after")  # read, then write: the lost update's gap
-            return result
+            return call("sharedctypes.Value.get", get, self)  # read, then write: a gap
 
         def set_value(self: Any, new: Any) -> None:
-            point("sharedctypes.Value.set")
-            put(self, new)
-            point("sharedctypes.Value.set/after")
+            call("sharedctypes.Value.set", put, self, new)
 
         _set(sharedctypes.Synchronized, "value", property(get_value, set_value))
     original_start = process.BaseProcess.__dict__["start"]
 
-    def start(self: Any) -> None:
-        point("process.Process.start")
+    def spawn(self: Any) -> None:
         _State.spawns += 1  # a spawned child's place; a forked one takes its fork number
         os.environ[IDENTITY_ENV] = f"{_State.identity}.s{_State.spawns}"
         try:
             original_start(self)
         finally:
             os.environ[IDENTITY_ENV] = _State.identity
-        point("process.Process.start/after")
+
+    def start(self: Any) -> None:
+        call("process.Process.start", spawn, self)
 
     _set(process.BaseProcess, "start", _like(start, original_start))
 
@@ -353,10 +381,8 @@ def _wrap_function(module: Any, name: str, site: str) -> Callback | None:
         return None
 
     def stressed(*args: Any, **kwargs: Any) -> Any:
-        point(site)
-        result = original(*args, **kwargs)
-        point(site + "/after")
-        return result
+        op = functools.partial(original, **kwargs) if kwargs else original
+        return call(site, op, *args)
 
     wrapped = _like(stressed, original)
     _set(module, name, wrapped)
@@ -376,10 +402,7 @@ def _patch_c10d(module: Any) -> None:
             continue
 
         def stressed(self: Any, *args: Any, _op: Any = original, _site: str = name) -> Any:
-            point(f"distributed.Store.{_site}")
-            result = _op(self, *args)
-            point(f"distributed.Store.{_site}/after")
-            return result
+            return call(f"distributed.Store.{_site}", _op, self, *args)
 
         try:  # a compiled class may refuse new attributes: then its stores go unstressed
             _set(store, name, _like(stressed, original))

@@ -66,6 +66,7 @@ def rare_child_says_ready_before_it_is():
     child = FORK.Process(target=_serve, args=(ready, stop))
     child.start()
     ready.wait()
+    time.sleep(0.002)  # its other work, before it tells the child to stop
     stop.set()
     child.join()
 
