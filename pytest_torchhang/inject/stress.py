@@ -25,8 +25,8 @@ priority, which drops at a few random points of its run; a low priority waits mo
 longer, above all right after it signals another (set, notify, release, put, send) or reads
 shared state (empty, qsize, is_set, poll, a Value). Only the outermost operation is a point:
 what a queue's ``get`` does inside (its lock, its pipe) is not. A schedule is drawn from ``random.Random(f"{seed}/{process}/{thread}")``, where the
-process is its place in the tree (``0`` for the first, ``0.2`` for its second fork, ``0.s1``
-for its first spawned child) and the thread its start order in that process: never a pid, so a
+process is its place in the tree (``0`` for the first, ``0.2`` for its second fork, ``0.s3``
+for a child spawned by its third ``Process.start``) and the thread its start order in that process: never a pid, so a
 seed replays the same decisions. No CPU pinning: races between processes need both CPUs.
 
 Every wait is bounded (``MAX_DELAY_S`` each, ``BUDGET_S`` in all per process, then yields
@@ -62,7 +62,8 @@ START_JITTER_S = 0.005
 CHANGES = 2
 HORIZON = 64
 #: After these operations a thread waits longer (weight HEAVY, others LIGHT): right after it
-#: signals (set, notify, release, put, send), so the thread it woke may run first; right
+#: signals (set, notify, release, put, send, a thread's start), so the thread it woke may run
+#: first (a process's start is light: a race between two children needs them close); right
 #: after it reads shared state (empty, qsize, is_set, poll, a Value), so the answer may age
 #: before it acts on it (check-then-act, the lost update).
 HEAVY_AFTER = tuple(
@@ -70,7 +71,7 @@ HEAVY_AFTER = tuple(
     for op in (
         ".set", ".notify", ".notify_all", ".release", ".put", ".send", ".send_bytes",
         ".__exit__", ".empty", ".qsize", ".is_set", ".poll", ".get_obj", ".__getitem__",
-        "Value.get", "Store.get", "Store.add", "Store.set",
+        "Thread.start", "Value.get", "Store.get", "Store.add", "Store.set",
     )
 )
 HEAVY, LIGHT = 2.0, 0.5
@@ -89,7 +90,7 @@ class _State:
     identity = "0"
     budget_s = BUDGET_S
     forks = 0  # fork children started so far (the next one is ``identity.<forks+1>``)
-    spawns = 0  # spawned children started so far (``identity.s<n>``)
+    spawns = 0  # Process.start calls so far: a spawned child is ``identity.s<n>``
     threads = 0  # threads started so far (the next one is ``t<threads+1>``)
     local: Any = None  # threading.local: this thread's schedule
     record_fd = -1
@@ -126,8 +127,7 @@ class _Schedule:
         return 0.0 if draw < 0.9 else -1.0
 
 
-def _thread_key() -> str:
-    thread = threading.current_thread()
+def _thread_key(thread: threading.Thread) -> str:
     if thread is threading.main_thread():
         return "main"
     index = getattr(thread, "_torch_hang_stress_index", None)
@@ -138,10 +138,12 @@ def _schedule() -> _Schedule | None:
     local = _State.local
     schedule: _Schedule | None = getattr(local, "schedule", None)
     if schedule is None:
-        name = threading.current_thread().name
-        if name.startswith(OWN_THREADS):
-            return None
-        schedule = local.schedule = _Schedule(_thread_key())
+        # Not threading.current_thread(): for a thread that threading did not start, it makes
+        # a _DummyThread, whose __init__ sets an Event, which is a point, which asks again.
+        thread = threading._active.get(threading.get_ident())  # type: ignore[attr-defined]
+        if thread is None or thread.name.startswith(OWN_THREADS):
+            return None  # a foreign thread (started from C), or the plugin's own
+        schedule = local.schedule = _Schedule(_thread_key(thread))
     return schedule
 
 
