@@ -431,9 +431,14 @@ class _Finder:
         patch = _LATER.get(fullname)
         if patch is None or not _State.active:
             return None
-        from importlib.machinery import PathFinder
-
-        spec = PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+        spec = None
+        for finder in sys.meta_path:  # the others first: the start-up hook's own finder
+            find = getattr(finder, "find_spec", None)  # wraps init_process_group
+            if finder is cls or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
         loader = getattr(spec, "loader", None)
         exec_module = getattr(loader, "exec_module", None)
         if spec is None or exec_module is None:
