@@ -521,16 +521,34 @@ def install(seed: int, identity: str = "0", record_dir: str = "") -> None:
     _start_jitter()
 
 
-def install_from_env(place: str = "") -> bool:
-    """:func:`install` with the seed, place and record directory of the environment (``place``
-    is added to the inherited place: a runner's child names itself so); False when this run is
-    not stressed (``PYTEST_TORCH_HANG_STRESS`` unset or not a number)."""
+def _exec_place() -> str:
+    """The place of a fresh interpreter that its parent did not name: a multiprocessing child
+    has its own (``Process.start`` handed it over); another (``resource_tracker``, a
+    ``subprocess`` child) is told apart from its parent by its command line's shape, never by
+    paths or pids: the name of its script (``c`` for ``-c``) and how many arguments it has."""
+    argv = list(getattr(sys, "argv", None) or [""])
+    if argv[-1] == "--multiprocessing-fork":
+        return ""
+    name = "".join(ch for ch in os.path.basename(argv[0]) if ch.isalnum())[:24]
+    return f".x{name}{len(argv)}"
+
+
+def install_from_env(place: str = "", fresh: bool = False) -> bool:
+    """:func:`install` with the seed, place and record directory of the environment; False when
+    this run is not stressed (``PYTEST_TORCH_HANG_STRESS`` unset or not a number).
+
+    ``place`` is added to the inherited place (a runner's child names itself so); ``fresh``
+    (the start-up hook of a new interpreter) adds the shape of its command line, unless
+    multiprocessing started it.
+    """
     text = os.environ.get(STRESS_ENV, "")
     try:
         seed = int(text)
     except ValueError:
         return False
     identity = (os.environ.get(IDENTITY_ENV) or "0") + place
+    if fresh:
+        identity += _exec_place()
     install(seed, identity, os.environ.get(RECORD_ENV, ""))
     return True
 

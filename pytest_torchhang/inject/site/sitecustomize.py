@@ -60,7 +60,7 @@ def _torchhang_bootstrap() -> None:
             _load(package_dir, "beats").install()  # type: ignore[attr-defined]
         if _os.environ.get("PYTEST_TORCH_HANG_STRESS"):
             step = "start --torch-hang-hunt-stress"
-            _load(package_dir, "stress").install_from_env()  # type: ignore[attr-defined]
+            _load(package_dir, "stress").install_from_env(fresh=True)  # type: ignore[attr-defined]
     except Exception as exc:  # never break the child's start-up: say it instead
         _note(
             hook,
