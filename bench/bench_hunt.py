@@ -52,10 +52,8 @@ LOADER = textwrap.dedent(
 
 def _pct(tally: dict[str, object]) -> str:
     low, high = tally["ci95"]  # type: ignore[misc]
-    return (
-        f"{tally['hangs']}/{tally['runs']} {100 * float(tally['rate']):.0f}% "  # type: ignore[arg-type]
-        f"({100 * low:.0f}-{100 * high:.0f}%)"
-    )
+    share = 100 * float(tally["rate"])  # type: ignore[arg-type]
+    return f"{tally['hangs']}/{tally['runs']} {share:.0f}% ({100 * low:.0f}-{100 * high:.0f}%)"
 
 
 def rare_hangs(runs_each: int, timeout_s: float) -> None:

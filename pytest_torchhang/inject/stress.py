@@ -24,10 +24,11 @@ Each thread of each process follows its own schedule, in the manner of PCT (Burc
 priority, which drops at a few random points of its run; a low priority waits more often and
 longer, above all right after it signals another (set, notify, release, put, send) or reads
 shared state (empty, qsize, is_set, poll, a Value). Only the outermost operation is a point:
-what a queue's ``get`` does inside (its lock, its pipe) is not. A schedule is drawn from ``random.Random(f"{seed}/{process}/{thread}")``, where the
-process is its place in the tree (``0`` for the first, ``0.2`` for its second fork, ``0.s3``
-for a child spawned by its third ``Process.start``) and the thread its start order in that process: never a pid, so a
-seed replays the same decisions. No CPU pinning: races between processes need both CPUs.
+what a queue's ``get`` does inside (its lock, its pipe) is not. A schedule is drawn from
+``random.Random(f"{seed}/{process}/{thread}")``, where the process is its place in the tree
+(``0`` for the first, ``0.2`` for its second fork, ``0.s3`` for a child spawned by its third
+``Process.start``) and the thread its start order in that process: never a pid, so a seed
+replays the same decisions. No CPU pinning: races between processes need both CPUs.
 
 Every wait is bounded (``MAX_DELAY_S`` each, ``BUDGET_S`` in all per process, then yields
 only); the plugin's own threads (named ``torch-hang ...``) are never delayed.
@@ -43,7 +44,8 @@ import random
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: The run's seed; set (by the hunt) in the environment of a stressed run's processes.
 STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
