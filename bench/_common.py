@@ -8,7 +8,9 @@ running a generated test file, with the installed plugin (or a copy of it put fi
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import re
 import os
 import resource
 import statistics
@@ -23,6 +25,27 @@ from pathlib import Path
 OUT_ENV = "TORCHHANG_BENCH_OUT"
 #: The injected start-up hook's directory, which a guarded session puts on PYTHONPATH.
 _INJECT = os.path.join("pytest_torchhang", "inject", "site")
+
+
+#: Every child process a script asked for an answer (a session's outcome line, a figure on its
+#: stdout), and how many gave it: printed at exit, so that a figure never stands on a child that
+#: silently did nothing (tests/test_bench.py reads the line).
+_CHILDREN = {"asked": 0, "answered": 0}
+_OUTCOME = re.compile(r"\b\d+ (passed|failed|hang|stall|error)")
+
+
+def answered(what: str, ok: bool, output: str = "") -> None:
+    """Count one child's answer; a child that gave none stops the script with its output."""
+    if not _CHILDREN["asked"]:
+        atexit.register(_print_children)
+    _CHILDREN["asked"] += 1
+    if not ok:
+        raise RuntimeError(f"{what} gave no answer:\n{output[-3000:]}")
+    _CHILDREN["answered"] += 1
+
+
+def _print_children() -> None:
+    print(f"children answered: {_CHILDREN['answered']} of {_CHILDREN['asked']}", flush=True)
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -127,6 +150,8 @@ def run_session(
         )
     figures = json.loads(out.read_text()) if out.exists() else {}
     out.unlink(missing_ok=True)
+    # a session that exits as expected but ran no test (or wrote nothing) answered nothing
+    answered(f"pytest {' '.join(args)} in {root}", bool(_OUTCOME.search(output)), output)
     return Session(wall, done.returncode, output, figures, cpu)
 
 
@@ -147,6 +172,7 @@ def imported_modules(root: Path, args: Sequence[str]) -> dict[str, int]:
         timeout=120,
         check=True,
     )
+    answered(f"pytest -X importtime {' '.join(args)}", "import time:" in done.stderr, done.stderr)
     own = {}
     for line in done.stderr.splitlines():
         if line.startswith("import time:") and "|" in line and "self [us]" not in line:

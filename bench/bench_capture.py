@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine, median, parser, spread, table
+from _common import answered, machine, median, parser, spread, table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -61,11 +61,13 @@ def _settle(children: list[subprocess.Popen[bytes]], timeout: float = 60.0) -> N
     """Wait until every child has its dump handler and sits in its blocking call."""
     deadline = time.monotonic() + timeout
     for child in children:
-        while time.monotonic() < deadline:
+        settled = False
+        while not settled and time.monotonic() < deadline:
             task = waitgraph.read([child.pid]).members[child.pid].tasks
-            if task and task[0].call not in ("", "running") and _handler(child.pid):
-                break
-            time.sleep(0.02)
+            settled = bool(task and task[0].call not in ("", "running") and _handler(child.pid))
+            if not settled:
+                time.sleep(0.02)
+        answered(f"child {child.pid} (its dump handler, then its blocking call)", settled)
 
 
 def _handler(pid: int) -> bool:

@@ -10,13 +10,25 @@ also checks that every child is then gone. Run: ``python bench/bench_deadline.py
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
-from _common import OUT_ENV, clean_env, machine, median, parser, run_session, table
+from _common import (
+    OUT_ENV,
+    answered,
+    clean_env,
+    machine,
+    median,
+    parser,
+    run_session,
+    table,
+)
+
+_NUMBER = re.compile(r"\d+(\.\d+)?(e-?\d+)?")
 
 TIMEOUT_S = 3.0
 
@@ -133,6 +145,7 @@ def first_fire_import(figures: dict[str, object], repeats: int) -> tuple[int, fl
             timeout=120,
             check=True,
         )
+        answered("the import timer", bool(_NUMBER.fullmatch(done.stdout.strip())), done.stdout)
         times.append(float(done.stdout.split()[-1]))
     return len(fired), median(times)
 

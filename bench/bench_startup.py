@@ -53,11 +53,14 @@ HOT = (
     "pytest_torchhang",
     "pytest_torchhang.plugin",
     "pytest_torchhang.settings",
+    "pytest_torchhang.clock",
     "pytest_torchhang.session",
     "pytest_torchhang.deadline",
     "pytest_torchhang.watchdog",
     "pytest_torchhang.processwide",
     "pytest_torchhang.exceptions",
+    "pytest_torchhang.debuggers",  # each guarded test's debugger check (stdlib only)
+    "pytest_torchhang.rerun",  # records the session's hangs in pytest's cache (pytest only)
     "pytest_torchhang.devices",
     "pytest_torchhang.inject",
     "pytest_torchhang.monitor.client",

@@ -1,21 +1,31 @@
-"""``python -m pytest_torchhang show REPORT.json`` and ``merge-hunts DIR...``: reports off-line."""
+"""``python -m pytest_torchhang show REPORT.json``, ``merge-hunts DIR...`` (reports off-line) and
+``examples [PYTEST ARGS]`` (the example suite, from the installed package)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import shlex
+import shutil
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from .report import merge, views
 from .report.model import HangReport
 
 #: Exit statuses: a bad input is not a hang.
 BAD_INPUT = 2
+#: After Ctrl-C, how long the example session may take to report and clean up before it is killed.
+EXAMPLES_INTERRUPT_GRACE_S = 60.0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pytest_torchhang", description="Render saved hang reports, join hunts"
+        prog="python -m pytest_torchhang",
+        description="Render saved hang reports, join hunts, run the example suite",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="Render a saved JSON hang report")
@@ -31,7 +41,75 @@ def _parser() -> argparse.ArgumentParser:
         "merge-hunts", help="Join the *-hunt.json summaries of several machines; exit 1 if any hung"
     )
     hunts.add_argument("paths", nargs="+", metavar="DIR_OR_FILE")
+    # Parsed by main() itself: every argument after `examples` is pytest's (-k, --help included).
+    commands.add_parser(
+        "examples",
+        add_help=False,
+        usage="python -m pytest_torchhang examples [PYTEST ARGS]",
+        help="Run the example suite shipped in the package, from a temporary copy; the rest of "
+        "the command line goes to pytest (its hangs/ tests hang on purpose: the run fails)",
+    )
     return parser
+
+
+def examples_dir() -> Path | None:
+    """The example suite: the wheel's copy inside the package, else a source checkout's."""
+    package = Path(__file__).resolve().parent
+    shipped = package / "examples"
+    if (shipped / "conftest.py").is_file():
+        return shipped
+    checkout = package.parent
+    if (checkout / "pyproject.toml").is_file() and (
+        checkout / "examples" / "conftest.py"
+    ).is_file():
+        return checkout / "examples"
+    return None
+
+
+def run_examples(pytest_args: list[str]) -> int:
+    """Run the example suite under pytest with ``pytest_args``; pytest's exit status.
+
+    The suite runs from a temporary copy, so that pytest writes its caches and bytecode there
+    rather than into the installed package. pytest runs in the current directory with the copy
+    as its test path: the copy's ``pytest.ini`` is the session's, and relative paths given to
+    pytest (``--torch-hang-report-dir=DIR``, ``--junitxml=FILE``) are the current directory's, as
+    usual; tests are chosen with ``-k``.
+    """
+    source = examples_dir()
+    if source is None:
+        print(
+            "python -m pytest_torchhang examples: this installation has no example suite "
+            f"(looked in {Path(__file__).resolve().parent / 'examples'}); reinstall "
+            "pytest-torchhang from its wheel, or run `python -m pytest examples` in a checkout",
+            file=sys.stderr,
+        )
+        return BAD_INPUT
+    if importlib.util.find_spec("torchvision") is None:
+        print(
+            "python -m pytest_torchhang examples: the example suite needs torchvision, which is "
+            "not installed: pip install 'pytest-torchhang[examples]'",
+            file=sys.stderr,
+        )
+        return BAD_INPUT
+    with tempfile.TemporaryDirectory(prefix="pytest-torchhang-") as tmp:
+        suite = Path(tmp) / "examples"
+        shutil.copytree(
+            source, suite, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache")
+        )
+        command = [sys.executable, "-m", "pytest", str(suite), *pytest_args]
+        print(f"the example suite, copied from {source}: {shlex.join(command)}", flush=True)
+        with subprocess.Popen(command) as session:
+            try:
+                return session.wait()
+            except KeyboardInterrupt:
+                # The session got the same Ctrl-C (one process group): it reports what it has and
+                # its guard cleans up. It gets a bound for that, then it goes with the copy.
+                try:
+                    return session.wait(timeout=EXAMPLES_INTERRUPT_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    session.kill()
+                    session.wait()
+                    raise KeyboardInterrupt from None
 
 
 def load_report(path: str) -> HangReport:
@@ -56,6 +134,9 @@ def load_report(path: str) -> HangReport:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["examples"]:
+        return run_examples(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "show":

@@ -318,6 +318,12 @@ def decide(state: State, event: Event, now: float) -> tuple[State, Decision]:
     return _tick(state, now)
 
 
+def _clock(state: State, now: float) -> float:
+    """The time on the test's clocks: while paused they stand where the pause stopped them, so
+    that a limit set (or a call started) during a pause counts from its end, as if set then."""
+    return state.paused_at if state.paused else now
+
+
 def _apply(state: State, event: Event, now: float) -> State:
     armed = state.phase is Phase.ARMED
     if isinstance(event, Tick):
@@ -326,7 +332,7 @@ def _apply(state: State, event: Event, now: float) -> State:
         if not armed or event.seconds <= 0:
             return state
         kept = tuple(limit for limit in state.limits if limit.source is not event.source)
-        limit = Limit(event.source, event.seconds, now + event.seconds)
+        limit = Limit(event.source, event.seconds, _clock(state, now) + event.seconds)
         state = state._replace(limits=(*kept, limit))
         if state.grace_s <= 0 or event.seconds < state.grace_s:
             state = state._replace(grace_s=event.seconds)
@@ -352,7 +358,7 @@ def _apply(state: State, event: Event, now: float) -> State:
     if isinstance(event, PhaseEnded):
         return state._replace(running=False)
     if isinstance(event, CallStarted):
-        calls = (*state.calls, (event.call, Call(now + event.seconds)))
+        calls = (*state.calls, (event.call, Call(_clock(state, now) + event.seconds)))
         return state._replace(calls=calls)
     if isinstance(event, CallCapturing):
         calls = tuple(
@@ -405,7 +411,7 @@ def _resumed(state: State, now: float) -> State:
 def _delivered(state: State, now: float, why: str) -> State:
     return state._replace(
         phase=Phase.DELIVERED,
-        grace_due=now + state.grace_s,
+        grace_due=_clock(state, now) + state.grace_s,
         history=_note(state, now, why),
     )
 

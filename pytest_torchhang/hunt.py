@@ -15,12 +15,12 @@ import random
 import re
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from . import clock
 from .report.handoff import HEADLINE_PROPERTY
 from .report.hunts import hunt_line, pressure_lines, signature, wilson
 from .report.model import HangReport
@@ -190,7 +190,7 @@ class HuntPlugin:
         self.stress = stress or seed is not None
         self.seed = seed
         self.tests: dict[str, Hunted] = {}
-        self.started = time.monotonic()
+        self.started = clock.monotonic()
         self._told = 0.0
         # Where a worker tells the others that a test hung (stop at the first hang, under
         # xdist): made by the controller (or a plain session), handed to the workers, removed
@@ -339,7 +339,7 @@ class HuntPlugin:
             self._tell_progress()
 
     def _tell_progress(self) -> None:
-        now = time.monotonic()
+        now = clock.monotonic()
         if now - self._told < PROGRESS_EVERY_S or hasattr(self.config, "workerinput"):
             return
         self._told = now

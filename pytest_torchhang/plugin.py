@@ -14,7 +14,6 @@ import math
 import os
 import sys
 import threading
-import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ import pytest
 from . import settings
 
 if TYPE_CHECKING:
+    from .debuggers import DebuggerWatch
     from .hunt import HuntPlugin
     from .report.model import HangReport
     from .runner.api import TorchHang
@@ -38,6 +38,13 @@ _SESSION = pytest.StashKey["SessionState"]()
 _PER_TEST = "torchhang-per-test"
 _HUNT = "torchhang-hunt"
 _ITEM_SETTINGS = pytest.StashKey[settings.ItemSettings]()
+#: pytest-timeout's --timeout-disable-debugger-detection (or its ini key) is set
+_NO_DEBUGGER_DETECTION = pytest.StashKey[bool]()
+_DEBUGGER_WATCH = pytest.StashKey["DebuggerWatch"]()
+#: the deadline a phase of the item ran under: a setup under it is a rerun (rerunfailures)
+_PHASED = pytest.StashKey["TestDeadline"]()
+#: within pytest_exception_interact of a failure (without --pdb: nobody debugs it)
+_INTERACTING = pytest.StashKey[bool]()
 
 _TORCH_HANG_HELP = (
     f"{settings.MARKER}(timeout=None, stall=None, isolate=False): bound this test by timeout "
@@ -100,6 +107,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "stressed run that hung printed it",
     )
     group.addoption(
+        "--torch-hang-rerun",
+        dest="torch_hang_rerun",
+        action="store_true",
+        default=False,
+        help="Run only the tests that hung or stalled last time (pytest's cache, as --lf), or "
+        "every test when none did",
+    )
+    group.addoption(
         settings.REPORT_DIR_OPTION,
         dest="torch_hang_report_dir",
         default=None,
@@ -111,7 +126,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="torch_hang_native",
         action="store_true",
         default=False,
-        help="Add native stacks through py-spy where installed and permitted",
+        help="Add native stacks through pystack (or else py-spy) where installed and permitted",
     )
     parser.addini(
         settings.TIMEOUT_INI, "Seconds before a test counts as hung (0 = off)", default=""
@@ -125,7 +140,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         # a string checked by the plugin: pytest's own "bool" type fails without naming the key
         settings.NATIVE_INI,
-        "Add native stacks through py-spy (true/false)",
+        "Add native stacks through pystack or py-spy (true/false)",
         default="",
     )
 
@@ -137,10 +152,13 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "gpu(count=1): needs count CUDA GPUs (pytest-torchhang)")
         config.addinivalue_line("markers", "cpu: must not touch a GPU (pytest-torchhang)")
         return
-    from . import devices
+    from . import debuggers, devices, rerun
     from .session import SessionState
 
+    rerun.register(config, bool(config.getoption("torch_hang_rerun", False)))
+    config.pluginmanager.register(_ShortSummary(), "torchhang-short-summary")
     config.stash[_SESSION] = SessionState(config, session_settings, os.dup(2))
+    config.stash[_NO_DEBUGGER_DETECTION] = debuggers.detection_disabled(config)
     config.pluginmanager.register(devices.DevicePlugin(config), "torchhang-devices")
     if session_settings.hunt:
         from .hunt import HuntPlugin
@@ -243,7 +261,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
 
     item_settings = item.stash.get(_ITEM_SETTINGS, None)
     stall = item_settings.stall if item_settings else 0.0
-    state.arm(item, float(settings.timeout), stall, Source.PYTEST_TIMEOUT)
+    _watch_debuggers(item, state.arm(item, float(settings.timeout), stall, Source.PYTEST_TIMEOUT))
     return True
 
 
@@ -254,6 +272,8 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     state = item.config.stash.get(_SESSION, None)
     if state is None:
         return None
+    if item.stash.get(_INTERACTING, False):  # a failure without --pdb: the limit stays
+        return True
     held = _deadline(item)
     if held is not None:
         from .deadline import ClearLimit, Source
@@ -262,13 +282,53 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     return True
 
 
+def _watch_debuggers(item: pytest.Item, held: TestDeadline) -> None:
+    """Give the test's deadline its debugger check (pytest-timeout's rule, ``debuggers.py``),
+    unless pytest-timeout's switch turns detection off; on the test's thread."""
+    if item.config.stash.get(_NO_DEBUGGER_DETECTION, False):
+        return
+    watch = item.stash.get(_DEBUGGER_WATCH, None)
+    if watch is None or held.debugger is not watch:
+        from .debuggers import DebuggerWatch
+
+        watch = item.stash[_DEBUGGER_WATCH] = DebuggerWatch(item.nodeid, held.thread_id)
+        held.debugger = watch
+    watch.saw(sys.gettrace())
+
+
 def pytest_enter_pdb(config: pytest.Config) -> None:
     """No hang is declared, and nothing killed, once a user has sat in the debugger: every clock
     of the current test stops for the rest of it (pytest-timeout's rule too, which users know:
-    after ``continue`` a test is being debugged, and killing it a second later would surprise)."""
+    after ``continue`` a test is being debugged, and killing it a second later would surprise).
+    pytest-timeout's ``--timeout-disable-debugger-detection`` turns it off, as there."""
+    if config.stash.get(_NO_DEBUGGER_DETECTION, False):
+        return
     state = config.stash.get(_SESSION, None)
     if state is not None and state.current is not None:
         state.pause(state.current)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_exception_interact(
+    node: pytest.Item | pytest.Collector,
+) -> Generator[None, object, object]:
+    """Under ``--pdb`` a failure of setup, call or teardown opens the post-mortem debugger
+    before the rest of the test runs: its clocks stop first, for the rest of it (pytest-timeout
+    cancels its timer here too). Without ``--pdb`` nothing waits for a user: pytest-timeout's
+    cancel, which it makes here at every failure, is ignored, so that the rest of a failing test
+    (its teardown, where joins of workers hang) stays bounded by ``--timeout`` too."""
+    state = node.config.stash.get(_SESSION, None)
+    held = _deadline(node) if isinstance(node, pytest.Item) else None
+    if state is None or held is None:
+        return (yield)
+    if node.config.getoption("usepdb", False):
+        state.pause(held)
+        return (yield)
+    node.stash[_INTERACTING] = True
+    try:
+        return (yield)
+    finally:
+        del node.stash[_INTERACTING]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -288,15 +348,57 @@ def pytest_report_from_serializable(
 def pytest_report_teststatus(
     report: pytest.TestReport, config: pytest.Config
 ) -> tuple[str, str, str] | None:
+    """A hang counts as ``hang`` and a stall as ``stall`` on the summary line (``1 failed, 2
+    hang``), ``H``/``S`` in the progress and ``HANG``/``STALL`` in verbose mode. The report
+    stays failed: exit code 1, ``-x``, ``--maxfail`` and ``--lf`` treat it as a failure."""
     if not SUPPORTED or not report.failed:
         return None
     from .report import handoff
 
     if handoff.is_hang(report):
-        # like any failure outside the test body, a hang in setup or teardown counts as an error
-        category = "failed" if report.when == "call" else "error"
-        return category, "H", ("HANG", {"red": True, "bold": True})  # type: ignore[return-value]
+        category, letter, word = handoff.outcome(report)
+        # pytest >= 8.3 renders the (word, markup) form; its hookspec still types a str
+        return category, letter, (word, {"red": True, "bold": True})  # type: ignore[return-value]
     return None
+
+
+def _hang_reports(terminalreporter: pytest.TerminalReporter) -> list[pytest.TestReport]:
+    stats = terminalreporter.stats
+    if not any(stats.get(c) for c in ("failed", "error", "hang", "stall")):
+        return []  # a passing session: the report's code (the cold path) stays unloaded
+    from .report import handoff
+
+    found = [
+        r
+        for category in (*handoff.OUTCOMES, "failed", "error")
+        for r in stats.get(category, [])
+        if isinstance(r, pytest.TestReport) and handoff.is_hang(r)
+    ]
+    return list({id(r): r for r in found}.values())
+
+
+def _write_hang_sections(
+    terminalreporter: pytest.TerminalReporter, hangs: list[pytest.TestReport]
+) -> None:
+    """Each hang's report in full, as pytest writes a failure's in its FAILURES section (which
+    lists the "failed" category only)."""
+    from .report import handoff
+
+    config = terminalreporter.config
+    if config.option.tbstyle == "no" or getattr(config.option, "no_summary", False):
+        return
+    terminalreporter.write_sep("=", "HANGS", red=True, bold=True)
+    showcapture = config.option.showcapture
+    for report in hangs:
+        terminalreporter.write_sep("_", handoff.section_title(report), red=True, bold=True)
+        report.toterminal(terminalreporter)  # type: ignore[arg-type]  # it calls .line() only
+        if showcapture == "no":
+            continue
+        for name, content in report.sections:
+            if showcapture != "all" and showcapture not in name:
+                continue
+            terminalreporter.write_sep("-", name)
+            terminalreporter.line(content[:-1] if content.endswith("\n") else content)
 
 
 def pytest_terminal_summary(
@@ -305,10 +407,17 @@ def pytest_terminal_summary(
     state = config.stash.get(_SESSION, None)
     stats = terminalreporter.stats
     hunter = _hunter(config)
-    failures = stats.get("failed", []) + stats.get("error", [])
-    if state is None or not (state.notes or state.leftovers or failures or hunter):
+    failures = [*stats.get("failed", []), *stats.get("error", [])]
+    failures += [*stats.get("hang", []), *stats.get("stall", [])]
+    if state is None or not (
+        state.notes or state.leftovers or failures or hunter or stats.get("rerun")
+    ):
         return  # nothing to say (and nothing more to import)
     from .report import handoff
+
+    hangs = _hang_reports(terminalreporter)
+    if hangs:
+        _write_hang_sections(terminalreporter, hangs)
 
     write = terminalreporter.write_line
     if state.notes:
@@ -328,10 +437,13 @@ def pytest_terminal_summary(
         for line in hunter.summary_lines():
             write(line)
         hunter.write_json(state.settings.report_dir)
-    hangs = [r for r in failures if handoff.is_hang(r)]
-    if not hangs:
+    # pytest-rerunfailures: an attempt that hung and was run again is a "rerun", not a failure
+    reruns = [r for r in stats.get("rerun", []) if handoff.is_hang(r)]
+    if not hangs and not reruns:
         return
     terminalreporter.write_sep("=", "torch-hang summary", red=True, bold=True)
+    for report in reruns:
+        write(f"attempt {getattr(report, 'rerun', 0) + 1}, run again: {handoff.headline(report)}")
     for report in hangs:
         write(handoff.headline(report))
     if os.environ.get("GITHUB_ACTIONS") == "true":
@@ -346,6 +458,43 @@ def pytest_terminal_summary(
             problem = views.append_job_summary(summary, hang) if hang is not None else None
             if problem:
                 write(f"torch-hang: {problem}")
+
+
+#: pytest's report characters (``-r``) and the categories whose lines they add to its short
+#: summary: pytest writes the summary's title only when one of them has a line.
+_REPORTCHARS = {"f": "failed", "E": "error", "s": "skipped", "x": "xfailed", "X": "xpassed"}
+
+
+class _ShortSummary:
+    """Hangs in pytest's short test summary (``HANG test_x.py::test_x - HANG after ...``),
+    which lists its own categories only: written just after it, by a wrapper around pytest's."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_terminal_summary(
+        self, terminalreporter: pytest.TerminalReporter
+    ) -> Generator[None, None, None]:
+        try:
+            return (yield)
+        finally:
+            self._write(terminalreporter)
+
+    @staticmethod
+    def _write(terminalreporter: pytest.TerminalReporter) -> None:
+        chars = terminalreporter.reportchars
+        if "f" not in chars or getattr(terminalreporter.config.option, "no_summary", False):
+            return
+        hangs = _hang_reports(terminalreporter)
+        if not hangs:
+            return
+        from .report import handoff
+
+        stats = terminalreporter.stats
+        if not any(stats.get(_REPORTCHARS[c]) for c in chars if c in _REPORTCHARS):
+            # pytest wrote no title: it had no line of its own
+            terminalreporter.write_sep("=", "short test summary info", cyan=True, bold=True)
+        for report in hangs:
+            word = handoff.outcome(report)[2]
+            terminalreporter.write_line(f"{word} {report.nodeid} - {handoff.headline(report)}")
 
 
 @pytest.fixture
@@ -429,7 +578,7 @@ class _PerTestHooks:
             item, state.settings
         )
         if item_settings.timeout > 0 or item_settings.stall > 0:
-            state.arm(item, item_settings.timeout, item_settings.stall)
+            _watch_debuggers(item, state.arm(item, item_settings.timeout, item_settings.stall))
         else:
             state.forget_births()
         hunter = _hunter(item.config)
@@ -444,6 +593,10 @@ class _PerTestHooks:
             if held is not None:
                 state.finish(held)
                 del item.stash[self._key]
+            if _PHASED in item.stash:  # the next run of the item starts afresh
+                del item.stash[_PHASED]
+            if _DEBUGGER_WATCH in item.stash:
+                del item.stash[_DEBUGGER_WATCH]
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(
@@ -461,7 +614,10 @@ class _PerTestHooks:
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, object, object]:
         return (yield from self._phase(item, "setup"))
 
-    @pytest.hookimpl(wrapper=True)
+    # trylast: the innermost wrapper, inside pytest-timeout's, which arms its func_only limit
+    # around the call (an outer wrapper would find no deadline, and the test would never be
+    # interrupted: only the monitor would end it, pytest and all)
+    @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
         return (yield from self._phase(item, "call"))
 
@@ -475,11 +631,38 @@ class _PerTestHooks:
         held = item.stash.get(self._key, None)
         if held is None:
             return (yield)
+        if name == "setup" and item.stash.get(_PHASED, None) is held:
+            held = self._rerun(item, held)
+        item.stash[_PHASED] = held
+        watch: DebuggerWatch | None = item.stash.get(_DEBUGGER_WATCH, None)
+        if watch is not None:
+            watch.saw(sys.gettrace())  # this thread's: the watchdog's own is not the test's
         held.enter_phase(name)
         try:
             return (yield)
         finally:
             held.leave_phase()
+
+    def _rerun(self, item: pytest.Item, held: TestDeadline) -> TestDeadline:
+        """The deadline of a new attempt of the test, whose setup starts now.
+
+        pytest-rerunfailures runs a test's setup, call and teardown again inside one
+        ``pytest_runtest_protocol``: each attempt gets the test's deadlines afresh (its limits
+        and stall time, as they were), so that a rerun is bounded as its first run was, neither
+        left to the grace of a first attempt that hung nor short of the time a slow one took.
+        (pytest-timeout's ``func_only`` limit, lifted after each call, is set again by it.)
+        """
+        from .deadline import Source
+
+        limits = [(limit.source, limit.seconds) for limit in held.state.limits]
+        stall = held.state.stall_s
+        self.state.finish(held)
+        del item.stash[self._key]
+        fresh = held
+        for source, seconds in limits or [(Source.TIMEOUT, 0.0)]:
+            fresh = self.state.arm(item, seconds, stall, source)
+        _watch_debuggers(item, fresh)
+        return fresh
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(
@@ -515,13 +698,14 @@ class _PerTestHooks:
         item_settings = pyfuncitem.stash.get(_ITEM_SETTINGS, None)
         if item_settings is None or not item_settings.isolate:
             return None
+        from . import clock
         from .runner import api
 
         funcargs = _own_arguments(pyfuncitem)
         held = pyfuncitem.stash.get(self._key, None)
         due = held.deadline if held is not None else math.inf
         timeout = (
-            max(due - time.monotonic() - api.MARGIN_S, 0.1)
+            max(due - clock.monotonic() - api.MARGIN_S, 0.1)
             if due < math.inf
             else api.DEFAULT_TIMEOUT_S
         )

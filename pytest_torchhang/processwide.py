@@ -176,9 +176,10 @@ def launch(fn: Callable[[], T], wait_s: float = LAUNCH_WAIT_S) -> T:
     with _Launcher.ready:
         if _Launcher.thread is None or not _Launcher.thread.is_alive():
             _Launcher.thread = threading.Thread(
-                target=_Launcher.serve, name="torch-hang launcher", daemon=True
+                target=_Launcher.serve, name=f"{hook.THREAD_PREFIX}launcher", daemon=True
             )
             _Launcher.thread.start()
+            hook.name_thread(_Launcher.thread)
         _Launcher.work.append((fn, box, done))
         _Launcher.ready.notify()
     if not done.wait(wait_s):

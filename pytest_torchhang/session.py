@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pytest
 
-from . import deadline, settings
+from . import clock, deadline, settings
 
 # The guard's own modules are imported when a test is first guarded (a session without a
 # timeout never pays for them), and the cold path (psutil, the capture, the diagnosis, the
@@ -98,6 +97,10 @@ class SessionState:
         )
         self.monitor.ensure_started()
         self.watchdog = Watchdog(self.monitor, lambda: self.own_pids(start=False), self.notes)
+        if self.settings.hunt_stress:
+            # Once a session, as the progress board's pointer: a setenv per test would race
+            # the native threads (OpenMP, CUDA) that read the environment meanwhile.
+            os.environ[STRESS_ENV] = "1"
         if self.in_thread:
             self.notes.append(
                 "pytest runs in a thread other than the main one here, where no signal can "
@@ -147,7 +150,7 @@ class SessionState:
         from .capture.target import CaptureTarget
         from .watchdog import TestDeadline
 
-        now = time.monotonic()
+        now = clock.monotonic()
         state = deadline.start(now, {source: timeout_s}, stall_s)
         target = CaptureTarget(
             test_id=item.nodeid,
@@ -156,7 +159,7 @@ class SessionState:
             dump_dir=self.dump_dir,
             started=now,
             exclude=self.own_pids(start=False),  # started at activation; restarted on demand
-            shm_since=time.time(),
+            shm_since=clock.wall(),
             native=self.settings.native,
             before=self._take_births(),
         )
@@ -197,8 +200,9 @@ class SessionState:
             self.current = None
 
     def _progress_board(self) -> beats.Reader:
-        """A new progress board for the test about to run, named in its environment: processes
-        an earlier test left running keep beating into that test's board, never this one."""
+        """A new progress board for the test about to run, named by the session's pointer:
+        processes an earlier test left running keep beating into that test's board, never this
+        one. The environment names the pointer from the first board to the session's end."""
         from .inject import beats  # only stall detection reads a board
 
         assert self.dump_dir is not None
@@ -281,6 +285,8 @@ class SessionState:
                 described[proc.pid] = " ".join(proc.cmdline())[:200]
         result = kill.kill_tree(me, exclude=own, before=alive - theirs)
         self.leftovers = [f"{p.pid}: {described.get(p.pid, '?')}" for p in result.killed]
+        # what they made and held (a DataLoader worker's resource_sharer listener and pymp dir)
+        kill.remove_leftovers(result, living=[me])
 
     def close(self) -> None:
         if self.subprocess_runner is not None:
@@ -293,6 +299,12 @@ class SessionState:
         self.watchdog.stop()
         if self.monitor is not None:
             self.monitor.stop()
+        if self.settings.hunt_stress:
+            os.environ.pop(STRESS_ENV, None)
+        if self._boards and self.dump_dir is not None:
+            from .inject import beats
+
+            beats.end_session(self.dump_dir)
         processwide.release(self._take_error)
         if procfs.children(os.getpid()):  # orphans adopted as their subreaper may be left
             from .watchdog import forget_torn_out_modules

@@ -25,6 +25,10 @@ REPORT_DIR_INI = "torch_hang_report_dir"
 NATIVE_OPTION = "--torch-hang-native"
 NATIVE_INI = "torch_hang_native"
 MARKER = "torch_hang"
+#: The longest timeout accepted (about 31 years): a timed wait overflows past some 292 years
+#: (``threading.TIMEOUT_MAX``), and a bound that long is a typo, not a bound.
+MAX_SECONDS = 1e9
+LONGEST = "at most 1e9 seconds (about 31 years)"  # MAX_SECONDS, as messages say it
 
 
 def seconds_or_nan(value: object) -> float:
@@ -70,6 +74,8 @@ def parse_timeout(value: object, source: str, off: str = "the guard") -> float:
         raise pytest.UsageError(
             f"{source} must be a finite number of seconds >= 0 (0 turns {off} off), got {value!r}"
         )
+    if seconds > MAX_SECONDS:
+        raise pytest.UsageError(f"{source} must be {LONGEST}; 0 turns {off} off; got {value!r}")
     return seconds
 
 
@@ -208,17 +214,33 @@ def session_settings(config: pytest.Config) -> SessionSettings:
     given = report_dir
     if report_dir:
         report_dir = os.path.join(base, os.path.expanduser(report_dir))
-    if report_dir and os.path.exists(report_dir) and not os.path.isdir(report_dir):
-        where = "" if given == report_dir else f" ({report_dir})"
-        raise pytest.UsageError(
-            f"{dir_source} must be a directory (created if missing), got {given!r}{where}, "
-            "which is a file"
-        )
+    if report_dir:
+        _check_report_dir(report_dir, given, dir_source)
     native = bool(config.getoption("torch_hang_native")) or _ini_bool(config, NATIVE_INI)
     hunt_stress = hunt_stress or hunt_seed is not None  # a seed names a stress schedule
     return SessionSettings(
         timeout, source, report_dir, native, stall, hunt, hunt_all, hunt_stress, hunt_seed
     )
+
+
+def _check_report_dir(path: str, given: str, source: str) -> None:
+    """A usage error now, when the report directory could not be made at the first hang: a file
+    in its place or above it, or a directory nobody may write into (checked, not created)."""
+    where = "" if given == path else f" ({path})"
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "which is a file" if existing == path else f"but {existing} is a file"
+        raise pytest.UsageError(
+            f"{source} must be a directory (created if missing), got {given!r}{where}, {what}"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created in {existing}"
+        raise pytest.UsageError(
+            f"{source} must be a directory pytest may write into, got {given!r}{where}, which "
+            f"{what}: choose another directory"
+        )
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,15 @@ import itertools
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import deadline, processwide
+from . import clock, deadline, processwide
 from .deadline import Action, Decision, Event, Kind, Phase, Source
 from .exceptions import HangError
+from .inject import hook
 from .monitor.client import MonitorClient
 from .processwide import INTERRUPT_SIGNAL
 
@@ -42,6 +42,8 @@ PRELOAD_S = 0.5
 _COLD_PATH = __name__.rsplit(".", 1)[0] + ".capture.pipeline"
 #: A second capture of the same phase is kept as a note of the first: this many frames a thread.
 NOTE_FRAMES = 6
+#: The watchdog thread wakes at least this often, whatever is due (every wait is bounded).
+MAX_WAIT_S = 60.0
 
 _calls = itertools.count(1)
 
@@ -68,7 +70,21 @@ class TestDeadline:
     wake: float = deadline.INF  # when the model wants to be looked at again
     #: pids of fixture calls' children in flight: a fire of the test captures and kills them too
     call_children: dict[int, list[int]] = field(default_factory=dict)
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    #: asked when a deadline comes due: a note when a debugger holds the test (pytest-timeout's
+    #: rule, ``debuggers.py``), else None; None: detection is off
+    debugger: Callable[[], str | None] | None = None
+    #: The watchdog's one door: called (without the lock) after another thread queued an action
+    #: or moved the wake earlier, so that no change waits for a wake nobody scheduled.
+    door: Callable[[TestDeadline], None] | None = field(default=None, repr=False)
+    # A plain lock, never re-entered: an interrupt that lands while its own thread holds it (in
+    # the middle of ``feed``) must not change the state under that feed, which would then store
+    # its own result over the interrupt's event. Code that may run at any bytecode (the signal
+    # handler, an asynchronous HangError) never waits for it: it defers its event instead.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: events that found the lock taken, for its holder (or the next one) to apply
+    _deferred: list[Event] = field(default_factory=list, repr=False)
+    _knock: bool = field(default=False, repr=False)  # the door is to be called on release
+    _interrupt_missed: bool = field(default=False, repr=False)  # send the interrupt again
 
     @property
     def in_main_thread(self) -> bool:
@@ -82,29 +98,74 @@ class TestDeadline:
     @property
     def deadline(self) -> float:
         """When the test's tightest wall-clock limit is due (inf: none, or paused)."""
-        with self._lock:
-            state = self.state
-            if state.paused or state.phase is not Phase.ARMED:
-                return deadline.INF
-            return min((limit.due for limit in state.limits), default=deadline.INF)
+        state = self.state  # one immutable value: no lock needed to read it whole
+        if state.paused or state.phase is not Phase.ARMED:
+            return deadline.INF
+        return min((limit.due for limit in state.limits), default=deadline.INF)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the test's lock; on release, apply deferred events and knock on the door."""
+        self._lock.acquire()
+        try:
+            yield
+        finally:
+            self._settle(clock.monotonic())
+            knock, self._knock = self._knock, False
+            self._lock.release()
+        if knock and self.door is not None:
+            self.door(self)
 
     def feed(self, event: Event, now: float | None = None, by_watchdog: bool = False) -> Decision:
         """Apply ``event`` to the model. Only the watchdog thread acts (``by_watchdog``): an
-        action decided on another thread waits in ``pending`` for it."""
-        with self._lock:
-            at = time.monotonic() if now is None else now
-            if by_watchdog and isinstance(event, deadline.Tick):
-                if self.pending:
-                    return self.pending.pop(0)
-                if self.state.stall_s and self.board is not None:
-                    event = deadline.Progress(self._sample(at))
-            self.state, decision = deadline.decide(self.state, event, at)
-            if decision.action is Action.FIRE:
-                self._firing()
-            self.wake = decision.wake
-            if decision.action is not None and not by_watchdog:
+        action decided on another thread waits in ``pending`` for it, and the door wakes it."""
+        with self.locked():
+            return self._feed(event, now, by_watchdog)
+
+    def _feed(self, event: Event, now: float | None, by_watchdog: bool) -> Decision:
+        """``feed`` with the lock held."""
+        at = clock.monotonic() if now is None else now
+        self._settle(at)
+        if by_watchdog and isinstance(event, deadline.Tick):
+            if self.pending:
+                return self.pending.pop(0)
+            if self.state.stall_s and self.board is not None:
+                event = deadline.Progress(self._sample(at))
+        return self._step(event, at, by_watchdog)
+
+    def _step(self, event: Event, at: float, by_watchdog: bool) -> Decision:
+        earlier = self.wake
+        self.state, decision = deadline.decide(self.state, event, at)
+        if decision.action is Action.FIRE:
+            self._firing()
+        self.wake = decision.wake
+        if not by_watchdog and (decision.action is not None or decision.wake < earlier):
+            if decision.action is not None:
                 self.pending.append(decision)
-            return decision
+            self._knock = True
+        return decision
+
+    def _settle(self, at: float) -> None:
+        """With the lock held: apply the events deferred while it was taken, and queue the
+        interrupt that found it taken."""
+        while self._deferred:
+            self._step(self._deferred.pop(0), at, by_watchdog=False)
+        if self._interrupt_missed:
+            self._interrupt_missed = False
+            if self.state.phase is Phase.FIRED and self.state.running:
+                self.pending.append(Decision(Action.INTERRUPT, self.wake))
+                self._knock = True
+
+    def deliver_later(self) -> None:
+        """The test has its HangError: from code that may run while its thread holds the lock
+        (an asynchronous exception lands at any bytecode), so it never waits for the lock."""
+        if not self._lock.acquire(blocking=False):
+            self._deferred.append(deadline.Delivered())  # for the holder, as it releases it
+            return
+        try:
+            self._step(deadline.Delivered(), clock.monotonic(), by_watchdog=False)
+        finally:
+            self._lock.release()  # the door is knocked on at the next release
 
     def _sample(self, now: float) -> float:
         """The board's last beat; keeps a bounded history of its counts for the stall report."""
@@ -132,73 +193,83 @@ class TestDeadline:
         The first capture of a hang is its report: a later one in the same phase (a ``with``
         block's cleanup that blocks after the interrupt) becomes a note of it, never a new one.
         """
-        with self._lock:
+        with self.locked():
             unreported = self.reports[self.attached :]
             if unreported:
                 unreported[0].notes.append(follow_up_note(unreported[0], report))
             else:
                 self.reports.append(report)
-            self.feed(deadline.CaptureDone(), by_watchdog=True)  # the watchdog interrupts next
+            self._feed(deadline.CaptureDone(), None, by_watchdog=True)  # the watchdog interrupts
             if self.done is not None:
                 self.done.set()
 
     def take_error(self) -> HangError | None:
-        """In the test's thread, at an interrupt: the HangError to raise there, if it is time."""
-        with self._lock:
+        """In the test's thread, at an interrupt (a signal handler): the HangError to raise
+        there, if it is time. It never waits for the lock: if its own thread holds it (the
+        signal landed inside ``feed``), it raises nothing now and the interrupt is sent again
+        once the lock is released."""
+        if not self._lock.acquire(blocking=False):
+            self._interrupt_missed = True
+            return None
+        try:
             state = self.state
             if state.phase is not Phase.FIRED or not state.running or not self.reports:
                 return None
             report = self.reports[-1]
-            self.feed(deadline.Delivered())
+            # No door here (the next release knocks): the handler may have landed inside it.
+            self._step(deadline.Delivered(), clock.monotonic(), by_watchdog=False)
+        finally:
+            self._lock.release()
         return HangError(report.headline, report)
 
     def take_reports(self, wait_s: float) -> list[HangReport]:
         """For a pytest report of this test: the hang reports no earlier report carries."""
         self.wait_for_capture(wait_s)
-        with self._lock:
+        with self.locked():
             fresh = self.reports[self.attached :]
             self.attached = len(self.reports)
             if fresh:
-                self.feed(deadline.Delivered())  # reported, even if the interrupt never landed
+                self._feed(deadline.Delivered(), None, False)  # even if no interrupt landed
             return fresh
 
     def enter_phase(self, name: str) -> None:
-        with self._lock:
+        with self.locked():
             self.target.phase = name
-            self.feed(deadline.PhaseStarted(name))
+            self._feed(deadline.PhaseStarted(name), None, False)
 
     def leave_phase(self) -> None:
-        with self._lock:
-            self.feed(deadline.PhaseEnded())
+        with self.locked():
+            self._feed(deadline.PhaseEnded(), None, False)
             if not self.in_main_thread and self.state.phase is Phase.FIRED:
                 _cancel_async_exception(self.thread_id)  # it must not land in pytest's own code
 
     def call_started(self, seconds: float, pids: list[int]) -> int:
         """A fixture call waits for ``pids`` up to ``seconds``; returns its key."""
         key = next(_calls)
-        with self._lock:
+        with self.locked():
             self.call_children[key] = list(pids)
-            self.feed(deadline.CallStarted(key, seconds))
+            self._feed(deadline.CallStarted(key, seconds), None, False)
         return key
 
     def call_capturing(self, key: int) -> None:
         self.feed(deadline.CallCapturing(key))
 
     def call_ended(self, key: int, hung: bool) -> None:
-        with self._lock:
+        with self.locked():
             self.call_children.pop(key, None)
-            self.feed(deadline.CallEnded(key, hung))
+            self._feed(deadline.CallEnded(key, hung), None, False)
 
     def monitor_state(self) -> tuple[float, float] | str | None:
         """What the monitor must know of this deadline now: (deadline, timeout) while armed or
         in its grace (inf while paused), ``"disarmed"``, or None (firing: no change)."""
-        with self._lock:
-            due = deadline.monitor_due(self.state, self.wake)
-            if due is None:
-                return None
-            if due < 0:
-                return "disarmed"
-            return due, self.state.timeout_s
+        with self._lock:  # no events applied here: it runs under the watchdog's lock
+            state, wake = self.state, self.wake
+        due = deadline.monitor_due(state, wake)
+        if due is None:
+            return None
+        if due < 0:
+            return "disarmed"
+        return due, state.timeout_s
 
 
 def follow_up_note(first: HangReport, later: HangReport) -> str:
@@ -227,7 +298,7 @@ def _async_hang(report: HangReport, held: TestDeadline) -> type[HangError]:
     class AsyncHangError(HangError):
         def __init__(self) -> None:
             super().__init__(report.headline, report)
-            held.feed(deadline.Delivered())
+            held.deliver_later()
 
     AsyncHangError.__name__ = AsyncHangError.__qualname__ = "HangError"
     return AsyncHangError
@@ -259,21 +330,35 @@ class Watchdog:
         self._told: tuple[int, tuple[float, float] | str | None, int] = (0, None, 0)
         self._stopping = False
         self._preloaded = False  # the cold path, before the first deadline (see PRELOAD_S)
-        self._thread = threading.Thread(target=self._run, name="torch-hang watchdog", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{hook.THREAD_PREFIX}watchdog", daemon=True
+        )
         self._thread.start()
+        hook.name_thread(self._thread)
 
     def arm(self, held: TestDeadline) -> None:
         """Watch ``held`` (the current test's), or look again at it after a change."""
         restarted = self._monitor.check()  # one waitpid: the backstop is alive for this test
         if restarted:
             self._errors.append(restarted)
+        held.door = self._door
         with self._cond:
             self._current = held
-            # Wake the thread only when it would otherwise sleep past what is due: tests
-            # shorter than their timeout then cost no thread switch at all.
-            if held.pending or held.wake < self._wake_at:
-                self._cond.notify()
+            self._wake_if_due(held)
             self._tell_monitor(held)
+
+    def _door(self, held: TestDeadline) -> None:
+        """The one door in: another thread queued an action for this thread, or moved the wake
+        earlier (called without ``held``'s lock: this lock is always taken first)."""
+        with self._cond:
+            if self._current is held:
+                self._wake_if_due(held)
+
+    def _wake_if_due(self, held: TestDeadline) -> None:
+        # Wake the thread only when it would otherwise sleep past what is due: tests shorter
+        # than their timeout then cost no thread switch at all.
+        if held.pending or held.wake < self._wake_at:
+            self._cond.notify()
 
     def disarm(self, held: TestDeadline) -> None:
         held.feed(deadline.Disarm())
@@ -309,8 +394,7 @@ class Watchdog:
             while not self._stopping:
                 current = self._current
                 if current is None:
-                    self._wake_at = deadline.INF
-                    self._cond.wait()
+                    self._sleep(deadline.INF)
                     continue
                 decision = current.feed(deadline.Tick(), by_watchdog=True)
                 if decision.action is not None:
@@ -318,20 +402,34 @@ class Watchdog:
                 self._tell_monitor(current)  # e.g. a grace after the test took its HangError
                 wake = decision.wake
                 if current.state.stall_s and current.state.phase is Phase.ARMED:
-                    wake = min(wake, time.monotonic() + SAMPLE_EVERY_S)  # the stall history
+                    wake = min(wake, clock.monotonic() + SAMPLE_EVERY_S)  # the stall history
                 if not self._preloaded and _COLD_PATH not in sys.modules:
                     preload_at = current.deadline - PRELOAD_S
-                    if preload_at <= time.monotonic():
+                    if preload_at <= clock.monotonic():
                         return current, None
                     wake = min(wake, preload_at)
-                self._wake_at = wake
-                timeout = wake - time.monotonic()
-                if timeout > 0:
-                    self._cond.wait(timeout if timeout != deadline.INF else None)
+                self._sleep(wake)
             return None
 
+    def _sleep(self, wake: float) -> None:
+        """Under ``self._cond``: wait until ``wake`` or a knock, and at most ``MAX_WAIT_S``
+        (``Condition.wait`` overflows past ``threading.TIMEOUT_MAX``, some 292 years)."""
+        now = clock.monotonic()
+        self._wake_at = min(wake, now + MAX_WAIT_S)
+        if self._wake_at > now:
+            self._cond.wait(self._wake_at - now)
+
     def _run(self) -> None:
-        while (due := self._next()) is not None:
+        while True:
+            try:
+                due = self._next()
+            except Exception as exc:  # one decision failed: say so, and serve the next one
+                self._failed(None, exc)
+                with self._cond:
+                    self._sleep(clock.monotonic() + deadline.INTERRUPT_EVERY_S)  # no spin
+                continue
+            if due is None:
+                return
             held, decision = due
             if decision is None:
                 self._preload()
@@ -341,6 +439,8 @@ class Watchdog:
                 if restarted:
                     self._errors.append(restarted)
                 if decision.action is Action.FIRE:
+                    if self._held_for_debugger(held):
+                        continue
                     self._fire(held, decision.kind is Kind.STALL)
                 elif decision.action is Action.REKILL:
                     forget_torn_out_modules()
@@ -349,9 +449,16 @@ class Watchdog:
                     pipeline.kill(held.target)
                 self._interrupt(held)
             except Exception as exc:  # the watchdog must outlive its own failures
-                self._errors.append(f"the watchdog failed on {held.target.test_id}: {exc!r}")
+                self._failed(held, exc)
                 if held.state.phase is Phase.FIRING:
                     held.fire_done(_failed_report(held, exc))
+
+    def _failed(self, held: TestDeadline | None, exc: BaseException) -> None:
+        """A note of the watchdog's own failure for the session's summary, each said once."""
+        where = f" on {held.target.test_id}" if held is not None else ""
+        note = f"the watchdog failed{where}: {exc!r}"
+        if note not in self._errors:
+            self._errors.append(note)
 
     def _preload(self) -> None:
         self._preloaded = True
@@ -362,6 +469,21 @@ class Watchdog:
             self._errors.append(f"pytest-torchhang could not load its capture: {exc!r}")
             self._preloaded = True  # no retry loop
 
+    def _held_for_debugger(self, held: TestDeadline) -> bool:
+        """A debugger holds the test as its deadline comes (pytest-timeout's rule): nothing is
+        captured or killed, and the test runs on with no deadline, as pytest-timeout drops its
+        timer then. The session's notes say so."""
+        note = held.debugger() if held.debugger is not None else None
+        if note is None:
+            return False
+        held.feed(deadline.Disarm(), by_watchdog=True)
+        if held.done is not None:
+            held.done.set()  # no capture is in progress after all
+        with self._cond:
+            self._tell_monitor(held)
+        self._errors.append(note)
+        return True
+
     def _fire(self, held: TestDeadline, stalled: bool) -> None:
         self._monitor.send("FIRED")
         with self._cond:
@@ -371,7 +493,7 @@ class Watchdog:
         if self._monitor.pid is not None:  # a restarted monitor has a new pid: never kill it
             target.exclude.add(self._monitor.pid)
         target.exclude |= self._own_pids()
-        with held._lock:
+        with held.locked():
             target.extra_roots = [pid for pids in held.call_children.values() for pid in pids]
         skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
         try:
@@ -393,7 +515,7 @@ class Watchdog:
 
     def _interrupt(self, held: TestDeadline) -> None:
         """Make the test's thread raise its HangError where it is (if it runs its own code)."""
-        with held._lock:
+        with held.locked():
             if held.state.phase is not Phase.FIRED or not held.state.running or not held.reports:
                 return
             if not held.in_main_thread:
@@ -430,7 +552,7 @@ def _failed_report(held: TestDeadline, exc: BaseException) -> HangReport:
     from .report.model import HangReport
 
     target = held.target
-    elapsed = time.monotonic() - target.started
+    elapsed = clock.monotonic() - target.started
     return HangReport(
         test_id=target.test_id,
         timeout_s=target.timeout_s,

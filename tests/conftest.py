@@ -14,11 +14,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import pytest
+from warm import SERVER_OF_THIS_PROCESS as WARM
 
 pytest_plugins = ["pytester"]
 
@@ -87,6 +88,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "needs_torch: the test (or its inner session) imports torch (set by conftest)"
     )
+    config.addinivalue_line(
+        "markers",
+        "cold_start: the test's inner sessions start a fresh interpreter (start-up is what it "
+        "looks at), never the warm server (tests/warm.py)",
+    )
     if hasattr(config, "workerinput"):  # pytest-xdist: the controller runs them, once
         return
     config.stash[_HOGS] = [
@@ -105,6 +111,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    WARM.close()
     for hog in config.stash.get(_HOGS, []):
         hog.kill()
         hog.wait()
@@ -226,6 +233,8 @@ class Session:
     wall_s: float
     leftovers: list[str]
     new_shm: list[str]
+    #: multiprocessing temp dirs (``pymp-*``: a Manager's listener) left in the session's TMPDIR
+    new_tmp: list[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -234,11 +243,12 @@ class Session:
     def assert_clean(self) -> None:
         assert not self.leftovers, f"processes left running: {self.leftovers}"
         assert not self.new_shm, f"/dev/shm segments left: {self.new_shm}"
+        assert not self.new_tmp, f"multiprocessing temp dirs left in TMPDIR: {self.new_tmp}"
 
     def report_of(self, test_name: str) -> str:
-        """The failure text of one test in the FAILURES section."""
+        """The failure text of one test in the FAILURES section, or its hang's in HANGS."""
         out = self.result.stdout.str()
-        match = re.search(rf"_ (ERROR at \w+ of )?{re.escape(test_name)} _", out)
+        match = re.search(rf"_ ((?:ERROR|HANG|STALL) at \w+ of )?{re.escape(test_name)} _", out)
         assert match, f"no failure section for {test_name}"
         start = match.start()
         end = out.find("\n____", start + 1)
@@ -250,9 +260,12 @@ class Session:
 class GuardedRunner:
     """Writes test files into a pytester dir and runs them in a subprocess pytest session."""
 
-    def __init__(self, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *, warm: bool = True
+    ) -> None:
         self.pytester = pytester
         self.monkeypatch = monkeypatch
+        self.warm = warm
 
     def run(
         self,
@@ -262,25 +275,40 @@ class GuardedRunner:
         grace_s: float = 10,
         stdin: bytes | None = None,
         python: str = sys.executable,
+        warm: bool | None = None,
     ) -> Session:
+        """``warm``: start the session from the warm server (tests/warm.py) where that is
+        faithful; the default is the test's (``cold_start`` marker: never)."""
         tag = uuid.uuid4().hex
         self.monkeypatch.setenv(TAG_ENV, tag)
         shm = ShmScope(tag)
         extra = [f"--torch-hang-timeout={timeout}"] if timeout is not None else []
         # as runpytest_subprocess does, plus the private /dev/shm and stdin (a debugger needs it)
         basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=self.pytester.path)
+        tmpdir = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())
+        tmp_before = _mp_temp_dirs(tmpdir)
         command = shm.command(
             python, "-mpytest", f"--basetemp={basetemp}", "-p", "no:cacheprovider"
         )
+        warm = self.warm if warm is None else warm
         start = time.monotonic()
         try:
-            result = self.pytester.run(
-                *command,
-                *extra,
-                *args,
-                timeout=wait_s,
-                stdin=self.pytester.CLOSE_STDIN if stdin is None else stdin,
-            )
+            if warm and WARM.accepts(python, dict(os.environ)):
+                result = WARM.run(
+                    self.pytester,
+                    [f"--basetemp={basetemp}", "-p", "no:cacheprovider", *extra, *args],
+                    stdin=stdin,
+                    shm=shm.directory if shm.private else None,
+                    timeout=wait_s,
+                )
+            else:
+                result = self.pytester.run(
+                    *command,
+                    *extra,
+                    *args,
+                    timeout=wait_s,
+                    stdin=self.pytester.CLOSE_STDIN if stdin is None else stdin,
+                )
             wall = time.monotonic() - start
             # Session helpers (resource_tracker, forkserver) exit by themselves once pytest is
             # gone: give them a moment, then anything of this session still alive is a leak.
@@ -289,6 +317,7 @@ class GuardedRunner:
                 time.sleep(0.1)
             while (new_shm := shm.new_entries()) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            new_tmp = sorted(_mp_temp_dirs(tmpdir) - tmp_before)
             leftovers = []
             for proc in left:
                 with contextlib.suppress(psutil.Error):
@@ -298,20 +327,34 @@ class GuardedRunner:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
             shm.close()
-        return Session(result, wall, leftovers, new_shm)
+        return Session(result, wall, leftovers, new_shm, new_tmp)
+
+
+def _mp_temp_dirs(directory: Path) -> set[str]:
+    """multiprocessing's temp dirs in ``directory`` (``util.get_temp_dir``: ``pymp-*``)."""
+    try:
+        return {name for name in os.listdir(directory) if name.startswith("pymp-")}
+    except OSError:
+        return set()
 
 
 @pytest.fixture(autouse=True)
-def _inner_sessions_as_ours(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inner sessions run without pytest-randomly (a test extra), as the outer one does; a test of
-    the plugins users run enables it explicitly."""
+def _inner_sessions_as_ours(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inner sessions run without pytest-randomly (a test extra), as the outer one does, and with
+    pytest-asyncio's loop scope set (else it warns in every session); a test of the plugins users
+    run enables randomly explicitly."""
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")  # which clears PYTEST_ADDOPTS: set it after
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
     if "no:randomly" not in addopts:
-        monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:randomly".strip())
+        ours = "-p no:randomly -o asyncio_default_fixture_loop_scope=function"
+        monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} {ours}".strip())
 
 
 @pytest.fixture
-def guarded(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[GuardedRunner]:
+def guarded(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[GuardedRunner]:
     """Run inner pytest sessions with pytest-torchhang and collect what they left behind."""
     monkeypatch.delenv("PYTEST_TORCH_HANG_TIMEOUT", raising=False)
     # An inner session starts as on a fresh machine, whatever an in-process session of another
@@ -322,7 +365,13 @@ def guarded(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Itera
     kept = [p for p in paths if p and not p.endswith(site)]
     if kept != [p for p in paths if p]:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(kept))
-    yield GuardedRunner(pytester, monkeypatch)
+    # A TMPDIR of its own (short: a unix socket's path is at most 107 bytes), so that what an
+    # inner session leaves there is its own; a test may set another.
+    tmpdir = tempfile.mkdtemp(prefix="th-")
+    monkeypatch.setenv("TMPDIR", tmpdir)
+    cold = request.node.get_closest_marker("cold_start") is not None
+    yield GuardedRunner(pytester, monkeypatch, warm=not cold)
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def assert_hang(session: Session, test_name: str, *expected: str) -> str:

@@ -168,10 +168,13 @@ class Group:
         return HEADER + "".join(cell.source() for cell in self.cells)
 
     def expected_outcomes(self) -> dict[str, int]:
-        failed = sum(not cell.teardown for cell in self.cells)
-        errors = sum(cell.teardown for cell in self.cells)
+        # a hang or a stall has its own count, in any phase; nothing else fails
+        hang = sum(cell.kind == "HANG" for cell in self.cells)
+        stall = sum(cell.kind == "STALL" for cell in self.cells)
+        teardowns = sum(cell.teardown for cell in self.cells)
         # each cell's following test passes, and so does a test whose teardown hangs
-        return {"failed": failed, "errors": errors, "passed": len(self.cells) + errors}
+        passed = len(self.cells) + teardowns
+        return {"failed": 0, "errors": 0, "passed": passed, "hang": hang, "stall": stall}
 
 
 def passed_tests(session: Session) -> set[str]:
@@ -244,13 +247,15 @@ def check_session(session: Session, group: Group) -> list[str]:
         outcomes = session.result.parseoutcomes()
     except ValueError:  # no summary line: the session did not end by itself
         outcomes = {}
-    got = {key: outcomes.get(key, 0) for key in ("failed", "errors", "passed")}
+    got = {key: outcomes.get(key, 0) for key in ("failed", "errors", "passed", "hang", "stall")}
     if got != group.expected_outcomes():
         problems.append(f"outcomes {got}, expected {group.expected_outcomes()}")
     if session.leftovers:
         problems.append(f"processes left running: {session.leftovers}")
     if session.new_shm:
         problems.append(f"/dev/shm segments left: {session.new_shm}")
+    if session.new_tmp:
+        problems.append(f"multiprocessing temp dirs left in TMPDIR: {session.new_tmp}")
     return problems
 
 

@@ -62,6 +62,19 @@ CASES = [
         )
         for value in ("-1", "nan", "inf", "abc")
     ),
+    *(
+        Case(
+            f"option-{name}-too-long",
+            (f"--torch-hang-{name} must be at most 1e9 seconds (about 31 years)", "got '1e10'"),
+            (f"--torch-hang-{name}=1e10",),
+        )
+        for name in ("timeout", "stall")
+    ),
+    Case(
+        "option-report-dir-under-a-file",
+        ("--torch-hang-report-dir", "'not_a_dir/hangs'", "not_a_dir is a file"),
+        ("--torch-hang-report-dir=not_a_dir/hangs",),
+    ),
     Case(
         "option-report-dir-is-a-file",
         ("--torch-hang-report-dir", "'not_a_dir'", "directory"),
@@ -78,6 +91,11 @@ CASES = [
             ini=f"{settings.TIMEOUT_INI} = {value}",
         )
         for value in ("soon", "-3")
+    ),
+    Case(
+        "ini-timeout-too-long",
+        (f"ini option {settings.TIMEOUT_INI} must be at most 1e9 seconds", "got '2e10'"),
+        ini=f"{settings.TIMEOUT_INI} = 2e10",
     ),
     Case(
         "ini-native-not-a-bool",
@@ -106,6 +124,11 @@ CASES = [
         )
         for value in ("-5", "ten")
     ),
+    Case(
+        "env-timeout-too-long",
+        (f"environment variable {settings.TIMEOUT_ENV} must be at most 1e9 seconds", "'1e10'"),
+        env={settings.TIMEOUT_ENV: "1e10"},
+    ),
     *(
         Case(
             f"env-fake-gpus-{value}",
@@ -126,6 +149,11 @@ CASES = [
         env={devices.LEASE_TIMEOUT_ENV: "x"},
     ),
     # --- markers
+    Case(
+        "marker-timeout-too-long",
+        (f"{MARKER}timeout must be at most 1e9 seconds (about 31 years)", "got 100000000000.0"),
+        marker="torch_hang(timeout=1e11)",
+    ),
     Case(
         "marker-timeout-text",
         (f"{MARKER}timeout must be a finite number of seconds >= 0", "got 'soon'"),
@@ -201,6 +229,14 @@ CASES = [
         "run-timeout-negative",
         ("ValueError: timeout must be a number of seconds > 0", "got -1"),
         call="run(add, timeout=-1)",
+    ),
+    Case(
+        "run-timeout-too-long",
+        (
+            "ValueError: timeout must be a number of seconds > 0 and at most 1e9",
+            "got 10000000000.0",
+        ),
+        call="run(add, timeout=1e10)",
     ),
     Case(
         "run-timeout-text",

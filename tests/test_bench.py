@@ -1,5 +1,7 @@
-"""Every benchmark script still runs on today's code: each one, in its quick mode, exits 0 and
-prints its figures (a script that no longer ran left stale figures in the README; issue 10)."""
+"""Every benchmark script still runs on today's code: each one, in its quick mode, exits 0,
+prints its figures (a script that no longer ran left stale figures in the README; issue 10), and
+every child it measured answered (a session that ran no test, a child that never reached its
+blocking call: a figure standing on nothing; issue 21)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ EXPECTED = {
 #: gpu_check.py says so and exits 0 (it belongs to the GPU checks, see docs/gpus.md).
 NO_QUICK = {"gpu_check.py"}
 _FIGURE = re.compile(r"\d+\.\d+")
+#: what bench/_common.py prints at exit for the children a script asked for an answer
+_CHILDREN = re.compile(r"^children answered: (\d+) of (\d+)$", re.M)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -47,6 +51,10 @@ def test_the_bench_script_runs_and_prints_its_figures(script: str) -> None:
     missing = [line for line in EXPECTED.get(script, []) if line not in done.stdout]
     assert not missing, f"{script} printed no {missing}:\n{output[-4000:]}"
     assert _FIGURE.search(done.stdout), f"{script} printed no figure:\n{output[-4000:]}"
+    children = _CHILDREN.findall(done.stdout)
+    assert children, f"{script} did not say whether its children answered:\n{output[-4000:]}"
+    answered, asked = map(int, children[-1])
+    assert answered == asked > 0, f"{script}: only {answered} of {asked} children answered"
 
 
 def test_a_passing_guarded_session_imports_nothing_of_the_cold_path(

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import psutil
 
+from conftest import GuardedRunner
+
 from pytest_torchhang.capture import pipeline, waitgraph
 from pytest_torchhang.diagnosis.roles import is_busy
 from pytest_torchhang.report.model import ProcessReport
@@ -92,3 +94,31 @@ def test_a_spinning_process_stays_busy_after_the_second_look() -> None:
         report = _captured(child.pid, lambda: time.sleep(0.5))
         pipeline._second_look([report])
         assert is_busy(report)
+
+
+GIL_HELD_SLEEP = """
+import ctypes
+
+
+def test_sleeps_in_c_holding_the_gil():
+    ctypes.PyDLL(None).sleep(60)  # a PyDLL call keeps the GIL: the watchdog thread cannot run
+"""
+
+
+def test_a_process_asleep_in_c_holding_the_gil_is_not_called_busy_by_the_monitor(
+    guarded: GuardedRunner,
+) -> None:
+    guarded.pytester.makepyfile(test_gil_sleep=GIL_HELD_SLEEP)
+    session = guarded.run(timeout=2)
+    text = session.text
+    assert "pytest-torchhang: session stopped" in text  # the monitor captured, from outside
+    pytest_line = next(line for line in text.splitlines() if "[pytest]" in line)
+    assert pytest_line.startswith("--- process "), pytest_line
+    # answering the dump signal costs the process CPU: that is not the test's
+    assert "(busy)" not in pytest_line, pytest_line
+    assert "computing or spinning" not in text
+    assert "clock_nanosleep" in text
+    # the plugin's own threads (watchdog, launcher) are one line, not stuck threads of the test
+    assert "[torch-hang watchdog] (most recent call first)" not in text
+    assert "thread(s) of pytest-torchhang itself, not shown: torch-hang watchdog" in text
+    session.assert_clean()

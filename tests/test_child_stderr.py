@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GuardedRunner, assert_hang
+from outcomes import assert_outcomes
 
 pytestmark = pytest.mark.needs_torch
 
@@ -56,7 +57,7 @@ def test_the_report_shows_the_traceback_a_worker_printed_on_its_stderr(
     reports = tmp_path / "reports"
     # wide: the first batch needs the worker forked and running on a busy machine
     session = guarded.run(f"--torch-hang-report-dir={reports}", timeout=10)
-    session.result.assert_outcomes(failed=2, passed=1)
+    assert_outcomes(session.result, hang=2, passed=1)
     text = assert_hang(
         session,
         "test_a_batch_that_cannot_be_pickled",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GuardedRunner
+from outcomes import assert_outcomes
 from pytest_torchhang import __main__ as cli
 from unit.mermaid_flowchart import mermaid_blocks, parse
 
@@ -48,7 +49,7 @@ def test_a_dataloader_hang_writes_one_section_with_its_graph_to_the_job_summary(
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     session = guarded.run("-p", "no:randomly", *xdist, timeout=8)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     headline = next(line for line in session.result.stdout.lines if line.startswith("HANG after "))
     assert "test_loader.py::test_loader_hangs" in headline
     assert any(
@@ -98,7 +99,7 @@ def test_two_hunts_on_two_machines_merge_into_one_count(
             f"--torch-hang-report-dir={machine}",
             timeout=1,
         )
-        session.result.assert_outcomes(failed=1, passed=2)
+        assert_outcomes(session.result, hang=1, passed=2)
         assert "test_hunted.py::test_flaky: hung 1 of 3 runs" in session.result.stdout.str()
         session.assert_clean()
     dirs = [str(guarded.pytester.path / m) for m in machines]

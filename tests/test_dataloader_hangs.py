@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from conftest import GuardedRunner, assert_hang
+from outcomes import assert_outcomes
 
 DEADLOCKED_WORKERS = '''
 import os
@@ -106,6 +107,67 @@ def test_next_test_runs():
 """
 
 
+#: Four workers, of which one is stuck in __getitem__ and three go idle: the report names the odd
+#: one out (tests/unit/record.py records it for tests/unit/recorded_views/).
+ONE_STUCK_OF_FOUR = """
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class OneSlowIndex(Dataset):
+    \"\"\"Index 1 never returns: its worker waits in __getitem__, the other three go idle.\"\"\"
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        if index == 1:
+            time.sleep(3600)
+        return torch.tensor([index])
+
+
+def test_one_worker_of_four_hangs():
+    for _ in DataLoader(OneSlowIndex(), num_workers=4, multiprocessing_context="fork"):
+        pass
+"""
+
+
+#: The other way round: three workers deadlock in __getitem__ and one goes idle. The idle one
+#: differs from the crowd, but the crowd is the story: the headline must not name the idle one.
+THREE_STUCK_ONE_IDLE = """
+import threading
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+_LOCK = None
+
+
+class MostIndicesDeadlock(Dataset):
+    \"\"\"Every index but those of worker 0 takes a plain lock twice.\"\"\"
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        global _LOCK
+        if _LOCK is None:
+            _LOCK = threading.Lock()
+        if index % 4:
+            with _LOCK:
+                with _LOCK:
+                    pass
+        return torch.tensor([index])
+
+
+def test_three_workers_of_four_deadlock():
+    for _ in DataLoader(MostIndicesDeadlock(), num_workers=4, multiprocessing_context="fork"):
+        pass
+"""
+
+
 def test_deadlocked_workers_a_lock_held_at_fork_and_a_silent_pipe_each_get_their_hint(
     guarded: GuardedRunner,
 ) -> None:
@@ -114,7 +176,7 @@ def test_deadlocked_workers_a_lock_held_at_fork_and_a_silent_pipe_each_get_their
         test_loader=DEADLOCKED_WORKERS, test_fork_lock=FORK_LOCK, test_pipe=PIPE_READER
     )
     session = guarded.run(timeout=3)
-    session.result.assert_outcomes(failed=5, passed=3)
+    assert_outcomes(session.result, hang=5, passed=3)
     for context in ("fork", "spawn", "forkserver"):
         report = assert_hang(
             session,
@@ -143,6 +205,36 @@ def test_deadlocked_workers_a_lock_held_at_fork_and_a_silent_pipe_each_get_their
         "*return os.read(READ_FD, 1)",
         "hint: 1 process(es) block reading a pipe*",
     )
+    session.assert_clean()
+
+
+def test_of_four_workers_the_one_stuck_in_getitem_is_named_first_and_the_idle_three_folded(
+    guarded: GuardedRunner,
+) -> None:
+    guarded.pytester.makepyfile(test_odd=ONE_STUCK_OF_FOUR)
+    session = guarded.run(timeout=3)
+    assert_outcomes(session.result, hang=1)
+    report = assert_hang(
+        session,
+        "test_one_worker_of_four_hangs",
+        "HANG after * 5 processes, DataLoader worker ?/4 (dataset OneSlowIndex) (pid *) stuck in "
+        "__getitem__ (3 other DataLoader workers wait in _worker_loop -> queues.get*)",
+        "processes, the odd one out first:",
+        "  3 DataLoader workers (pids *, *, *): _worker_loop -> queues.get*",
+        "    the same stacks, shown once: pid * [[]DataLoader worker ?/4[]], pid * [[]*",
+        "*time.sleep(3600)",
+        "        ... multiprocessing's start-up frames cut",
+    )
+    lines = report.splitlines()
+    first = lines[2] if lines[1].startswith("[gw") else lines[1]
+    stuck = next(line for line in lines if line.startswith("--- process "))
+    # the first block is the stuck worker's, the three idle ones are one block
+    assert "(dataset OneSlowIndex)" in stuck and stuck.split()[2] in first, (stuck, first)
+    assert sum(line.startswith("--- process ") for line in lines) == 3  # stuck, pytest, idle
+    assert "multiprocessing/popen_fork.py" not in report  # the fork's frames are cut
+    # the plugin's own threads in pytest (the /proc reader) are one line, not a stack
+    assert "thread(s) of pytest-torchhang itself not shown:" in report
+    assert "pytest_torchhang/capture/procfs.py" not in report
     session.assert_clean()
 
 
@@ -185,7 +277,7 @@ def test_file_system_sharing_leaves_no_segment_behind(guarded: GuardedRunner) ->
     # spared (killing it would make freeing the batch abort pytest) and cleans up at exit.
     guarded.pytester.makepyfile(test_fs=FILE_SYSTEM_SHARING)
     session = guarded.run(timeout=3)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_hang(
         session,
         "test_hangs_after_the_first_batch",

@@ -78,8 +78,9 @@ def hold(request):
 
 @pytest.fixture(autouse=True)
 def clean_device_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inner sessions start from no fake GPUs, no lease or hang timeout from the outer shell."""
-    for name in (FAKE, leases.LEASE_TIMEOUT_ENV, "PYTEST_TORCH_HANG_TIMEOUT", "PYTEST_ADDOPTS"):
+    """Inner sessions start from no fake GPUs, no lease or hang timeout from the outer shell
+    (pytester drops the outer PYTEST_ADDOPTS; conftest sets the suite's own)."""
+    for name in (FAKE, leases.LEASE_TIMEOUT_ENV, "PYTEST_TORCH_HANG_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import GuardedRunner, assert_hang
+from outcomes import assert_outcomes
 
 OPENMP_AND_BUSY = """
 import multiprocessing as mp
@@ -40,7 +41,7 @@ def test_openmp_after_fork_and_busy_children_get_their_hints(guarded: GuardedRun
     guarded.pytester.makepyfile(test_rules=OPENMP_AND_BUSY)
     # torch is imported at collection: both children are forked and stuck within 0.1 s
     session = guarded.run(timeout=2)
-    session.result.assert_outcomes(failed=2)
+    assert_outcomes(session.result, hang=2)
     assert_hang(
         session,
         "test_op_in_a_fork_after_the_parent_ran_ops",
@@ -87,7 +88,7 @@ def test_with_gloo_a_rank_that_leaves_early_is_named_in_its_peers_error(
     # a hang (the hang form needs nccl): the error says which rank left and how
     guarded.pytester.makepyfile(test_rank=RANK_LEAVES)
     session = guarded.run(timeout=30)
-    session.result.assert_outcomes(passed=1)
+    assert_outcomes(session.result, passed=1)
     session.assert_clean()
 
 
@@ -128,7 +129,7 @@ def test_a_rank_gone_while_its_peer_waits_in_a_collective_is_named(guarded: Guar
     # ranks launched torchrun-style (RANK/WORLD_SIZE in their environment)
     guarded.pytester.makepyfile(test_rank_gone=RANK_GONE_HANG)
     session = guarded.run(timeout=20)  # two fresh interpreters import torch first
-    session.result.assert_outcomes(failed=1)
+    assert_outcomes(session.result, hang=1)
     assert_hang(
         session,
         "test_torchrun_style_rank_leaves_while_its_peer_waits",
@@ -171,7 +172,7 @@ def test_children_still_importing_at_the_deadline_get_their_hint(guarded: Guarde
     # machine a fresh interpreter may take seconds to reach that import (with 2 s it was still in
     # the interpreter's own start, where no Python frame shows).
     session = guarded.run(timeout=8)
-    session.result.assert_outcomes(failed=1)
+    assert_outcomes(session.result, hang=1)
     assert_hang(
         session,
         "test_deadline_shorter_than_a_spawned_childs_start",
@@ -205,7 +206,7 @@ def test_the_plugins_own_frames_are_cut_in_children(guarded: GuardedRunner) -> N
     # user's function, not in the zygote, child.py or runpy
     guarded.pytester.makepyfile(test_frames=PLUGIN_FRAMES)
     session = guarded.run("-s", timeout=60)
-    session.result.assert_outcomes(passed=1)
+    assert_outcomes(session.result, passed=1)
     out = session.result.stdout.str()
     child = out[out.index("[torch_hang.run(wait_for_ever) child]") :]
     assert "in wait_for_ever\n" in child and "threading.Event().wait()" in child

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import GuardedRunner, assert_hang
 from matrix_scenarios import LATE_S, SILENCE
+from outcomes import assert_outcomes
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 #: The README's main command uses this timeout; each deliberate hang sets a shorter one itself.
@@ -137,9 +138,11 @@ def test_the_examples_pass_and_their_deliberate_hangs_are_caught_with_hints(
         assert fnmatch.fnmatch(message, reason), (name, message)
     failed = {n: outcomes[n][:2] for n in PASSING if outcomes[n][0] != "passed"}
     assert not failed, f"examples that should pass did not: {failed}\n{session.text[-6000:]}"
-    session.result.assert_outcomes(
+    assert_outcomes(
+        session.result,
         passed=len(PASSING),
-        failed=len(HANGS) + len(STALLS),
+        hang=len(HANGS),
+        stall=len(STALLS),
         skipped=len(GPU_EXAMPLES) + len(HUNT_EXAMPLES),
     )
     session.result.stdout.fnmatch_lines(["*= torch-hang summary =*"])

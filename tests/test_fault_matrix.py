@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from conftest import GuardedRunner, Session, assert_hang
+from outcomes import assert_outcomes
 from pytest_torchhang.capture import kill, stacks, tree
 from pytest_torchhang.capture.tree import ProcessId
 from pytest_torchhang.inject import hook
@@ -155,7 +156,7 @@ def test_crashes_are_reported_as_crashes_at_once_and_a_runner_tree_dies_whole(
     guarded.pytester.makeconftest(DURATIONS_CONFTEST)
     guarded.pytester.makepyfile(test_crashes=CRASHES)
     session = guarded.run(timeout=2, wait_s=300)
-    session.result.assert_outcomes(passed=2, failed=6)
+    assert_outcomes(session.result, passed=2, failed=5, hang=1)
     durations = _durations(guarded.pytester)
 
     # A child killed by SIGKILL is a crash that names the signal, and it is told at once.
@@ -315,7 +316,7 @@ def test_orphans_a_forking_tree_and_a_replaced_dump_file_are_reported_and_killed
 ) -> None:
     guarded.pytester.makepyfile(test_tree=TREE)
     session = guarded.run(timeout=2)
-    session.result.assert_outcomes(passed=1, failed=3)
+    assert_outcomes(session.result, passed=1, hang=3)
 
     # a double-forked orphan (no setsid) is adopted by pytest as child subreaper, and killed
     assert_hang(
@@ -398,7 +399,7 @@ def test_next_test_runs():
 def _huge_report(guarded: GuardedRunner) -> tuple[Session, str]:
     guarded.pytester.makepyfile(test_crowd=CROWD)
     session = guarded.run(timeout=4)  # all 100 threads have started, on a busy machine too
-    session.result.assert_outcomes(passed=1, failed=1)
+    assert_outcomes(session.result, passed=1, hang=1)
     report = assert_hang(session, "test_huge_stacks_and_a_hundred_threads", "HANG after *")
     return session, report
 
@@ -448,7 +449,7 @@ def test_a_zombie_child_is_left_out_of_the_report(guarded: GuardedRunner) -> Non
     # a zombie waits for nothing: it is its parent's unfinished business, not part of the hang
     guarded.pytester.makepyfile(test_zombie=ZOMBIE)
     session = guarded.run(timeout=1.5)
-    session.result.assert_outcomes(passed=1, failed=1)
+    assert_outcomes(session.result, passed=1, hang=1)
     report = assert_hang(
         session, "test_hangs_later", "HANG after * 1 process, stuck in test_hangs_later"
     )
@@ -491,7 +492,7 @@ def test_the_zygote_start_up_neither_fails_the_first_fixture_test_nor_dies_with_
     session = guarded.run(timeout=2)
     out = session.result.stdout.str()
     assert not re.search(r"cmdline: \S+ -m pytest_torchhang\.zygote", out), out[-3000:]
-    session.result.assert_outcomes(passed=2)
+    assert_outcomes(session.result, passed=2)
     session.assert_clean()
 
 

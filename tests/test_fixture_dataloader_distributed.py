@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import GuardedRunner
+from outcomes import assert_outcomes
 
 LOADER = """
 import threading
@@ -201,7 +202,7 @@ def test_dataloader_and_distributed_stats_results_errors_crashes_and_hangs(
     # one inner session for both fixtures: pytest, torch and the zygote start once
     guarded.pytester.makepyfile(test_loader=LOADER, test_dist=DISTRIBUTED)
     session = guarded.run(timeout=60)
-    session.result.assert_outcomes(passed=13)
+    assert_outcomes(session.result, passed=13)
     session.assert_clean()
 
 
@@ -238,5 +239,5 @@ def test_distributed_places_one_rank_per_leased_gpu(
     monkeypatch.setenv("PYTEST_TORCH_HANG_FAKE_GPUS", "4")
     guarded.pytester.makepyfile(test_gpus=GPU_PLACEMENT)
     session = guarded.run(timeout=60)
-    session.result.assert_outcomes(passed=2)
+    assert_outcomes(session.result, passed=2)
     session.assert_clean()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import GuardedRunner
+from outcomes import assert_outcomes
 
 ENVIRONMENTS = """
 import os
@@ -53,5 +54,5 @@ def test_each_fixture_child_gets_its_own_tests_environment(guarded: GuardedRunne
     # The zygote starts during test 1 and so inherits test 1's variable: later tests must not.
     guarded.monkeypatch.setenv("OMP_NUM_THREADS", "2")
     session = guarded.run("-p", "no:randomly", timeout=120)
-    session.result.assert_outcomes(passed=5)
+    assert_outcomes(session.result, passed=5)
     session.assert_clean()

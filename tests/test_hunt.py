@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GuardedRunner
+from outcomes import assert_outcomes
 
 RACES = """
 import os
@@ -219,7 +220,7 @@ def test_stress_reaches_every_process_of_the_tree_in_odd_runs_and_plain_runs_sta
 ) -> None:
     guarded.pytester.makepyfile(test_stressed=STRESSED)
     session = guarded.run("--torch-hang-hunt=4", "--torch-hang-hunt-stress", timeout=30)
-    session.result.assert_outcomes(passed=4)
+    assert_outcomes(session.result, passed=4)
     summary = _summary(session.result.stdout.str())
     assert "plain: hung 0 of 2 runs (0.0%, 95% CI 0.0%-65.8%)" in summary, summary
     assert "stressed: hung 0 of 2 runs (0.0%, 95% CI 0.0%-65.8%)" in summary, summary
@@ -232,7 +233,7 @@ def test_a_hunt_without_stress_never_loads_it(guarded: GuardedRunner) -> None:
         "    assert 'pytest_torchhang.inject.stress' not in sys.modules\n"
     )
     session = guarded.run("--torch-hang-hunt=2", timeout=30)
-    session.result.assert_outcomes(passed=2)
+    assert_outcomes(session.result, passed=2)
     assert "stressed:" not in session.result.stdout.str()
 
 
@@ -354,7 +355,7 @@ def test_a_seed_replays_the_same_schedule_in_every_process_and_another_seed_does
             "-p", "no:randomly", "--torch-hang-hunt=1", f"--torch-hang-hunt-seed={seed}",
             timeout=30,
         )
-        session.result.assert_outcomes(passed=1)
+        assert_outcomes(session.result, passed=1)
         runs[name] = _schedules(record)
     # the pytest process, its two forks, and the child spawned by its third Process.start
     # (its place handed over through the environment)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import GuardedRunner, assert_hang
+from outcomes import assert_outcomes
 
 SCENARIOS = """
 import multiprocessing as mp
@@ -54,7 +55,7 @@ def test_next_test_runs():
 def test_multiprocessing_hangs_are_caught_with_their_hints(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_mp=SCENARIOS)
     session = guarded.run(timeout=2)
-    session.result.assert_outcomes(failed=3, passed=1)
+    assert_outcomes(session.result, hang=3, passed=1)
     assert_hang(
         session,
         "test_join_before_drain",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from conftest import GuardedRunner, assert_hang
+from outcomes import assert_outcomes
 
 CHILDREN = """
 import os
@@ -46,7 +47,7 @@ def test_next_test_runs():
 def test_every_kind_of_child_is_reported_and_killed(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_children=CHILDREN)
     session = guarded.run(timeout=3)  # every child has started (and stopped itself) by then
-    session.result.assert_outcomes(failed=5, passed=1)
+    assert_outcomes(session.result, hang=5, passed=1)
     orphan = assert_hang(
         session, "test_setsid_orphan", "*time.sleep(1000)", "cleanup: killed 1 process*"
     )
@@ -108,7 +109,7 @@ def test_a_blocked_main_thread_is_interrupted_and_the_session_goes_on(
 ) -> None:
     guarded.pytester.makepyfile(test_main=MAIN_THREAD)
     session = guarded.run(timeout=1)
-    session.result.assert_outcomes(failed=2, passed=1)
+    assert_outcomes(session.result, hang=2, passed=1)
     assert_hang(
         session,
         "test_main_thread_waits_on_a_lock_forever",
@@ -176,7 +177,7 @@ def test_passes_but_leaves_a_subprocess():
 def test_what_passing_tests_leave_running_is_killed_at_session_end(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_leaky=LEAKY)
     session = guarded.run(timeout=30)
-    session.result.assert_outcomes(passed=2)
+    assert_outcomes(session.result, passed=2)
     assert session.wall_s < 60, session.wall_s  # multiprocessing's exit join did not hang
     session.result.stdout.fnmatch_lines(
         [

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import shutil
+import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
 from conftest import GuardedRunner, assert_hang
+from outcomes import assert_outcomes
 
 HANG_AND_PASS = """
 import threading
@@ -49,7 +54,7 @@ def test_junit_xml_json_files_the_terminal_and_github_actions_carry_the_hang(
     junit = guarded.pytester.path / "junit.xml"
     reports = guarded.pytester.path / "reports"
     session = guarded.run(f"--junitxml={junit}", f"--torch-hang-report-dir={reports}", timeout=2)
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     out = session.result.stdout.str()
     # terminal: the status word, the summary section, the headline in the short summary
     session.result.stdout.fnmatch_lines(
@@ -103,7 +108,7 @@ def test_under_xdist_the_controller_prints_the_workers_full_report(guarded: Guar
     session = guarded.run(
         "-n", "2", f"--junitxml={junit}", f"--torch-hang-report-dir={reports}", timeout=2
     )
-    session.result.assert_outcomes(failed=1, passed=1)
+    assert_outcomes(session.result, hang=1, passed=1)
     assert_hang(
         session,
         "test_hangs",
@@ -143,7 +148,7 @@ def test_next_test_runs():
 def test_pytest_timeout_deadlines_get_the_whole_tree_report(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_pt=PYTEST_TIMEOUT)
     session = guarded.run("--timeout=2", timeout=None)
-    session.result.assert_outcomes(failed=2, passed=1)
+    assert_outcomes(session.result, hang=2, passed=1)
     assert_hang(session, "test_uses_pytest_timeouts_option", "HANG after 2.*", "*time.sleep(1000)*")
     assert_hang(
         session, "test_uses_pytest_timeouts_marker", "HANG after 1.*", "cleanup: killed 1 process*"
@@ -155,7 +160,7 @@ def test_pytest_timeout_deadlines_get_the_whole_tree_report(guarded: GuardedRunn
 def test_with_both_timeouts_the_earlier_deadline_applies(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_pt=PYTEST_TIMEOUT)
     session = guarded.run("--timeout=30", timeout=1.5)
-    session.result.assert_outcomes(failed=2, passed=1)
+    assert_outcomes(session.result, hang=2, passed=1)
     assert_hang(session, "test_uses_pytest_timeouts_option", "HANG after 1.*")
     session.assert_clean()
 
@@ -174,7 +179,7 @@ def test_no_hang_is_declared_while_the_user_is_in_pdb(guarded: GuardedRunner) ->
     guarded.pytester.makepyfile(test_pdb=PDB)
     guarded.monkeypatch.setenv("PYTHONBREAKPOINT", "")
     session = guarded.run(timeout=1, stdin=b"continue\n")
-    session.result.assert_outcomes(passed=1)
+    assert_outcomes(session.result, passed=1)
     assert "HANG" not in session.result.stdout.str()
 
 
@@ -209,20 +214,36 @@ def test_native_stacks_show_the_c_frames_where_the_child_waits(guarded: GuardedR
     session.assert_clean()
 
 
+def _python_alone(root: Path) -> Path:
+    """This interpreter linked into ``root/bin``, alone there, with this one's packages.
+
+    A venv's interpreter linked elsewhere is the base interpreter again (the venv is the
+    ``pyvenv.cfg`` beside or above it), without the venv's site-packages, so without the plugin
+    (a fresh venv, as the README's test command makes, failed so). The venv's ``pyvenv.cfg``
+    beside the link and its ``lib`` linked keep them; its ``bin``, where the tools are, stays out.
+    """
+    (root / "bin").mkdir()
+    python = root / "bin" / "python"
+    os.symlink(sys.executable, python)
+    if sys.prefix != sys.base_prefix:
+        venv = Path(sys.prefix)
+        shutil.copy(venv / "pyvenv.cfg", root / "pyvenv.cfg")
+        for lib in ("lib", "lib64"):
+            if (venv / lib).is_dir():
+                os.symlink(venv / lib, root / lib)
+    return python
+
+
 def test_without_a_native_tool_the_report_says_so_in_one_line(
     guarded: GuardedRunner,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    import os
-    import sys
-
     # a python with no pystack or py-spy beside it, and a PATH without them
-    bin_dir = tmp_path_factory.mktemp("bin")
-    os.symlink(sys.executable, bin_dir / "python")
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    python = _python_alone(tmp_path_factory.mktemp("alone"))
+    monkeypatch.setenv("PATH", f"{python.parent}:/usr/bin:/bin")
     guarded.pytester.makepyfile(test_native=NATIVE)
-    session = guarded.run("--torch-hang-native", timeout=2, python=str(bin_dir / "python"))
+    session = guarded.run("--torch-hang-native", timeout=2, python=str(python))
     assert_hang(
         session,
         "test_child_waits_on_a_lock",
@@ -272,7 +293,7 @@ def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
     guarded.pytester.makepyfile(test_waits=WAITS_AND_COLLECTIVES)
     reports = guarded.pytester.path / "reports"
     session = guarded.run(f"--torch-hang-report-dir={reports}", timeout=3)
-    session.result.assert_outcomes(failed=2)
+    assert_outcomes(session.result, hang=2)
     text = assert_hang(
         session,
         "test_child_reads_what_the_test_never_writes",
@@ -281,7 +302,9 @@ def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
         "      blocked in read(fd 0: pipe:[[]*[]])*",
         "        waits for pid * [[]pytest[]] (pipe:[[]*[]], whose write end it holds)",
     )
-    assert "hint: 1 process(es) block reading a pipe" in text
+    # the test waits for the child, which reads the stdin the test never closes: a cycle
+    assert "hint: a cycle of waits through 2 processes: pytest" in text
+    assert "Close child.stdin" in text
     docs = {
         d["test_id"].split("::")[1]: d
         for d in (json.loads(p.read_text()) for p in reports.glob("*.json"))
@@ -292,7 +315,8 @@ def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
     (task,) = [t for t in child["tasks"] if t["tid"] == child["pid"]]
     assert task["call"] == "read" and task["python_thread"] == child["threads"][0]["ident"]
     assert {e["pid"] for e in task["waits_for"]} == {pytest_pid}
-    assert {h["rule"] for h in pipe["hints"]} == {"pipe"}
+    assert {h["rule"] for h in pipe["hints"]} == {"join_cycle"}
+    assert task["wait"] == {"kind": "pipe", "fd": 0, "inode": task["obj"][len("fd 0: pipe:[") : -1]}
     ranks = docs["test_ranks_part_ways"]
     collectives = {
         p["role"].split()[1]: p["collectives"] for p in ranks["processes"] if p["collectives"]
@@ -309,6 +333,6 @@ def test_the_report_and_json_carry_wait_for_edges_and_ranks_collectives(
         "Flight recorder: rank 0/2 completed #1 all_reduce([[]4[]]) and is in #2 all_reduce([[]8[]]);"
         " rank 1/2 completed #1 all_reduce([[]4[]]) and is in #2 barrier.",
         "    collectives (flight recorder, oldest first):",
-        "        #2 barrier NOT COMPLETED [[]default_pg[]]",
+        "        #2 barrier on process group 'default_pg' NOT COMPLETED",
     )
     session.assert_clean()

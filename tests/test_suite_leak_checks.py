@@ -7,6 +7,7 @@ import threading
 import uuid
 
 from conftest import SHM_DIR, GuardedRunner
+from outcomes import assert_outcomes
 
 LEAKS_A_SEGMENT = """
 import os
@@ -39,7 +40,7 @@ def test_the_shm_check_counts_the_inner_sessions_segments_and_not_another_progra
         session = guarded.run(timeout=30, grace_s=2)  # the leak stays: do not wait long
         thread.join()
         assert created.is_set()
-        session.result.assert_outcomes(passed=1)
+        assert_outcomes(session.result, passed=1)
         assert session.new_shm == ["psm_left_by_the_inner_session"], session.new_shm
         assert not session.leftovers
     finally:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from pytest_torchhang.capture import attach, procfs, waitgraph
+from pytest_torchhang.report import waits
 from pytest_torchhang.report.model import TaskWait
 
 FORK = mp.get_context("fork")
@@ -161,6 +162,28 @@ def test_a_multiprocessing_semaphore_wait_points_at_every_process_that_maps_it()
         task = graph.members[pids[0]].tasks[0]
         assert "/dev/shm/sem." in task.obj
         assert {os.getpid(), pids[1]} <= {e.pid for e in task.waits_for}
+        assert {e.kind for e in task.waits_for if e.pid == os.getpid()} == {waits.MAPS}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(5)
+
+
+def test_a_semaphore_wait_carries_the_count_read_from_the_semaphore() -> None:
+    sem = FORK.BoundedSemaphore(2)
+    sem.acquire()
+    sem.acquire()  # both slots taken: the children wait on a count of 0
+    procs = [FORK.Process(target=_sem_wait, args=(sem,), daemon=True) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        pids = [p.pid for p in procs if p.pid]
+        for pid in pids:
+            _blocked(pid, "futex")
+        graph = waitgraph.read([os.getpid(), *pids], skip_tids={threading.get_native_id()})
+        counts = [graph.members[pid].tasks[0].wait for pid in pids]
+        assert all(isinstance(c, waits.Semaphore) and c.value == 0 for c in counts), counts
+        assert "(a semaphore, count 0)" in graph.members[pids[0]].tasks[0].obj
     finally:
         for proc in procs:
             proc.kill()
@@ -266,6 +289,13 @@ def test_unix_socket_and_tcp_peers_are_found() -> None:
             assert [(e.pid, e.via.split(" ")[0]) for e in unix_edges] == [(holder.pid, "unix")]
             assert [(e.pid, e.via.split(" ")[0]) for e in tcp_edges] == [(holder.pid, "tcp")]
             assert "127.0.0.1:" in tcp_edges[0].via
+            assert [e.kind for e in tcp_edges] == [waits.SOCKET_PEER]
+            sock = graph.members[tcp].tasks[0].wait
+            assert isinstance(sock, waits.Socket) and sock.family == "tcp"
+            local, remote = client.getsockname(), client.getpeername()
+            assert sock.local == f"{local[0]}:{local[1]}"
+            assert sock.remote == f"{remote[0]}:{remote[1]}"
+            assert isinstance(graph.members[unix_reader].tasks[0].wait, waits.Socket)
     finally:
         holder.kill()
         holder.wait()

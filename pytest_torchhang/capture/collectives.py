@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from collections.abc import Iterable
 
+from .. import clock
 from ..inject.hook import collectives_path, collectives_request_path
 from ..report.model import Collective
 
@@ -50,7 +50,7 @@ def collect_collectives(
     out: dict[int, list[Collective] | str] = {}
     if dump_dir is None:
         return out
-    deadline = time.monotonic() + timeout_s
+    deadline = clock.monotonic() + timeout_s
     waiting = list(pids)
     while True:
         for pid in list(waiting):
@@ -65,9 +65,9 @@ def collect_collectives(
                 out[pid] = f"flight recorder: {doc['error']}"
             else:
                 out[pid] = [c for c in map(_collective, doc.get("entries", [])) if c is not None]
-        if not waiting or time.monotonic() > deadline:
+        if not waiting or clock.monotonic() > deadline:
             break
-        time.sleep(0.01)
+        clock.sleep(0.01)
     for pid in waiting:
         if not os.path.exists(collectives_request_path(dump_dir, pid)):
             # the listener removes its FIFO when it dies, and leaves a note saying why

@@ -1,20 +1,20 @@
-"""The kill of a test's tree: freeze, identity-checked SIGKILL, reaping, and /dev/shm cleanup."""
+"""The kill of a test's tree: freeze, identity-checked SIGKILL, reaping; what it holds is read
+while it is frozen, so that its /dev/shm and $TMPDIR leftovers can be removed by ownership."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import os
-import re
 import signal
 import sys
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import psutil
 
-from . import loader_sigchld, procfs
+from .. import clock
+from . import leftovers, loader_sigchld, procfs
 from .target import Births
 from .tree import (
     ProcessId,
@@ -28,11 +28,7 @@ from .tree import (
     signal_process,
 )
 
-SHM_DIR = "/dev/shm"
-# Segment names the multiprocess stack creates: multiprocessing named semaphores (spawn and
-# forkserver), torch's file_system sharing strategy, multiprocessing.shared_memory.
-_SHM_PREFIXES = ("sem.mp-", "torch_", "psm_")
-_TORCH_SHM_PID = re.compile(r"^torch_(\d+)_")
+SHM_DIR = leftovers.SHM_DIR
 
 #: After the last SIGKILL, how long the killed get to die before any is called a survivor.
 SETTLE_S = 1.0
@@ -49,6 +45,8 @@ class KillResult:
     survivors: list[ProcessId] = field(default_factory=list)
     reaped: dict[int, int] = field(default_factory=dict)  # pid -> exit status
     shm_removed: list[str] = field(default_factory=list)
+    #: What each frozen process mapped and had open, read before it was killed.
+    held: list[leftovers.Holding] = field(default_factory=list)
 
 
 def kill_tree(
@@ -69,21 +67,25 @@ def kill_tree(
     (forkserver, resource_tracker: session-wide state of the root) alone. What existed in
     ``before`` (and its descendants) is never signalled. Bounded by ``budget_s``.
     """
+    deadline = clock.monotonic() + budget_s
     kill = _TreeKill(root_pid, set(exclude), include_root, spare_root_helpers, before)
-    deadline = time.monotonic() + budget_s
+    kill.reader = procfs.ProcReader(deadline=deadline)
     stable_rounds = 0
-    while time.monotonic() < deadline:
-        targets, grew = kill.list_targets()
-        kill.freeze(targets)
-        if grew and stable_rounds < 20:
-            stable_rounds += 1
-            continue  # list again: a process may have forked before it was frozen
-        kill.kill(targets)
-        kill.end_graceful()
-        if not targets and not kill.graceful:
-            break
-        time.sleep(0.02 if targets else 0.05)
-    return kill.finish(min(deadline, time.monotonic() + SETTLE_S))
+    try:
+        while clock.monotonic() < deadline:
+            targets, grew = kill.list_targets()
+            kill.freeze(targets)
+            if grew and stable_rounds < 20:
+                stable_rounds += 1
+                continue  # list again: a process may have forked before it was frozen
+            kill.kill(targets)
+            kill.end_graceful()
+            if not targets and not kill.graceful:
+                break
+            clock.sleep(0.02 if targets else 0.05)
+    finally:
+        kill.resume_forkers()
+    return kill.finish(min(deadline, clock.monotonic() + SETTLE_S))
 
 
 @dataclass
@@ -100,6 +102,11 @@ class _TreeKill:
     stopped: set[int] = field(default_factory=set)
     graceful: dict[int, tuple[ProcessId, float]] = field(default_factory=dict)  # give-up time
     spared: dict[int, ProcessId] = field(default_factory=dict)
+    reader: procfs.ProcReader = field(default_factory=procfs.ProcReader)
+    #: processes of the tree that are not the test's (a forkserver an earlier test started) but
+    #: forked a target: stopped while the kill runs, so that a Pool's handler thread cannot have
+    #: them fork replacements as fast as they are killed (hundreds in 5 s), continued after
+    paused: dict[int, ProcessId] = field(default_factory=dict)
 
     def list_targets(self) -> tuple[list[psutil.Process], bool]:
         """The tree's processes to kill now, and whether any is new since the last listing."""
@@ -141,15 +148,45 @@ class _TreeKill:
             self.spared[proc.pid] = ident
             return None
         if kind in TRACKER_GRACE_S and proc.pid != self.root_pid:
-            self.graceful[proc.pid] = (ident, time.monotonic() + TRACKER_GRACE_S[kind])
+            self.graceful[proc.pid] = (ident, clock.monotonic() + TRACKER_GRACE_S[kind])
             return None
         self.seen[proc.pid] = ident
         return ident
 
     def freeze(self, targets: list[psutil.Process]) -> None:
+        """SIGSTOP the new targets, then read what each holds (it can no longer change)."""
+        frozen = []
         for proc in targets:
             if proc.pid not in self.stopped and signal_process(self.seen[proc.pid], signal.SIGSTOP):
                 self.stopped.add(proc.pid)
+                frozen.append(self.seen[proc.pid])
+                self._pause_forker(proc)
+        if frozen:
+            sockets = leftovers.unix_sockets(frozen[0].pid)
+            for ident in frozen:
+                held = leftovers.read_holding(ident.pid, ident.create_time, self.reader, sockets)
+                self.result.held.append(held)
+
+    def _pause_forker(self, proc: psutil.Process) -> None:
+        """Stop the parent of ``proc`` while the kill runs when it lives on (a forkserver)."""
+        try:
+            parent = proc.ppid()
+        except psutil.Error:
+            return
+        spare = {self.root_pid, os.getpid(), 0, 1, *self.excluded, *self.seen, *self.paused}
+        if parent in spare or parent in self.graceful:
+            return
+        try:
+            ident = identify([psutil.Process(parent)]).get(parent)
+        except psutil.Error:
+            return
+        if ident is not None and signal_process(ident, signal.SIGSTOP):
+            self.paused[parent] = ident
+
+    def resume_forkers(self) -> None:
+        for ident in self.paused.values():
+            signal_process(ident, signal.SIGCONT)
+        self.paused.clear()
 
     def kill(self, targets: list[psutil.Process]) -> None:
         loader_sigchld.expect_killed(self.seen[proc.pid] for proc in targets)
@@ -160,7 +197,7 @@ class _TreeKill:
 
     def end_graceful(self) -> None:
         """Helpers that had a grace: gone by themselves, spared, or killed once it is over."""
-        now = time.monotonic()
+        now = clock.monotonic()
         for pid, (ident, give_up) in list(self.graceful.items()):
             if not _alive(ident):
                 del self.graceful[pid]
@@ -183,12 +220,27 @@ class _TreeKill:
         # left the tree meanwhile, reparented when its parent died, is no longer listed). Give
         # the killed a bounded moment to die before calling any of them a survivor.
         while (alive := [i for i in self.seen.values() if _alive(i)]) and (
-            time.monotonic() < settle_until
+            clock.monotonic() < settle_until
         ):
-            time.sleep(0.01)
+            clock.sleep(0.01)
         result.survivors = alive
         result.reaped = reap(result.killed)
         return result
+
+
+def remove_leftovers(
+    result: KillResult, since: float | None = None, living: list[int] | None = None
+) -> list[str]:
+    """Remove what the processes ``result`` killed made or held (``leftovers.remove``), the
+    segments and temp dir of ``living`` processes (this one, usually) kept; returns what went."""
+    keep: list[str] | None = []
+    if any(pid != os.getpid() for pid in living or []):
+        keep = None  # another live process's multiprocessing temp dir is not known here
+    elif (own := leftovers.own_mp_tempdir()) is not None:
+        keep = [own]
+    living = [*(living or []), *(p.pid for p in result.spared)]
+    killed = [p.pid for p in result.killed]
+    return leftovers.remove(result.held, killed, since, living, keep)
 
 
 def _alive(ident: ProcessId) -> bool:
@@ -228,8 +280,8 @@ def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
         for pid in owned_by_objects() & set(pending):
             del pending[pid]
     reaped: dict[int, int] = {}
-    deadline = time.monotonic() + timeout_s
-    while pending and time.monotonic() < deadline:
+    deadline = clock.monotonic() + timeout_s
+    while pending and clock.monotonic() < deadline:
         for pid in list(pending):
             try:
                 got, status = os.waitpid(pid, os.WNOHANG)
@@ -240,7 +292,7 @@ def reap(killed: Iterable[ProcessId], timeout_s: float = 1.0) -> dict[int, int]:
                 reaped[pid] = os.waitstatus_to_exitcode(status)
                 del pending[pid]
         if pending:
-            time.sleep(0.01)
+            clock.sleep(0.01)
     return reaped
 
 
@@ -278,82 +330,3 @@ def reap_orphans() -> list[int]:
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
                 reaped.append(pid)
     return reaped
-
-
-def shm_entries() -> set[str]:
-    """Names in /dev/shm now (empty where there is no /dev/shm)."""
-    try:
-        return set(os.listdir(SHM_DIR))
-    except OSError:
-        return set()
-
-
-def _open_anywhere(names: set[str]) -> set[str]:
-    """Which of ``names`` some live process still has open or mapped.
-
-    Matched by inode, not path: glibc's sem_open maps a temporary file and then renames it, so a
-    process's maps name a deleted ``sem.XXXXXX`` while /dev/shm shows ``sem.mp-...``.
-    """
-    by_inode: dict[int, str] = {}
-    for name in names:
-        with contextlib.suppress(OSError):
-            by_inode[os.stat(os.path.join(SHM_DIR, name)).st_ino] = name
-    used: set[str] = set()
-    # Every process of the machine: one stuck in state D must not hang the cleanup (its maps are
-    # then unknown, and so is whether it uses a segment: all are kept).
-    reader = procfs.ProcReader(deadline=time.monotonic() + 2.0, skip_disk_sleep=False)
-    for pid_dir in os.listdir("/proc"):
-        if not pid_dir.isdigit():
-            continue
-        base = f"/proc/{pid_dir}"
-        unread = len(reader.unread)
-        maps = reader.file(int(pid_dir), "maps", 16 << 20)
-        if len(reader.unread) > unread:
-            return set(names)
-        for line in (maps or b"").decode(errors="replace").splitlines():
-            if SHM_DIR not in line:
-                continue
-            fields = line.split(None, 5)
-            if len(fields) >= 5 and fields[4].isdigit() and int(fields[4]) in by_inode:
-                used.add(by_inode[int(fields[4])])
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"{base}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"{base}/fd/{fd}").startswith(SHM_DIR):
-                        inode = os.stat(f"{base}/fd/{fd}").st_ino
-                        if inode in by_inode:
-                            used.add(by_inode[inode])
-    return used
-
-
-def cleanup_shm(since: float, killed_pids: Iterable[int]) -> list[str]:
-    """Unlink /dev/shm segments created since ``since`` (wall time) that the killed tree left.
-
-    Only multiprocessing/torch names are considered, and only those no live process has open or
-    mapped (a parallel pytest-xdist worker's segments stay; a segment the test still maps is its
-    spared torch_shm_manager's to unlink); ``torch_<pid>_*`` names must also belong to a killed
-    process. Ages come from the entries themselves, so no listing is taken before each test.
-    """
-    killed = set(killed_pids)
-    candidates: set[str] = set()
-    for name in shm_entries():
-        if not name.startswith(_SHM_PREFIXES):
-            continue
-        match = _TORCH_SHM_PID.match(name)
-        if match and int(match.group(1)) not in killed:
-            continue
-        try:
-            # file times come from a coarse clock, a tick behind time.time() at most
-            if os.stat(os.path.join(SHM_DIR, name)).st_ctime < since - 0.05:
-                continue
-        except OSError:
-            continue
-        candidates.add(name)
-    if not candidates:
-        return []
-    removed = []
-    for name in sorted(candidates - _open_anywhere(candidates)):
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-    return removed

@@ -6,8 +6,10 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+import tempfile
 from dataclasses import dataclass
+
+from .. import clock
 
 #: Whole budget for native stacks of one hang, and the most one process may take.
 BUDGET_S = 6.0
@@ -46,6 +48,28 @@ def _tool() -> str | None:
     return shutil.which("pystack") or shutil.which("py-spy")
 
 
+def _run_bounded(command: list[str], timeout_s: float) -> tuple[int, str, str] | None:
+    """(exit code, stdout, stderr) of ``command``, or None when it did not end in ``timeout_s``
+    (it is killed). Polled on the plugin's clock: ``subprocess.run(timeout=...)`` counts on one
+    that a test may have frozen (freezegun replaces subprocess's monotonic), and never times out
+    then. Output goes to files: a pipe that fills would stop the tool."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        deadline = clock.monotonic() + timeout_s
+        while proc.poll() is None:
+            if clock.monotonic() >= deadline:
+                proc.kill()
+                reaped_by = clock.monotonic() + 1.0  # SIGKILLed: reaped at once, unless in D
+                while proc.poll() is None and clock.monotonic() < reaped_by:
+                    clock.sleep(0.01)
+                return None
+            clock.sleep(0.01)
+        out.seek(0)
+        err.seek(0)
+        read = out.read().decode("utf-8", "replace"), err.read().decode("utf-8", "replace")
+        return proc.returncode, *read
+
+
 def tool_available() -> bool:
     return _tool() is not None
 
@@ -65,26 +89,22 @@ def native_stacks(pids: list[int], all_threads: set[int], native: bool = True) -
         )
     stacks: dict[int, str] = {}
     failures: list[str] = []
-    deadline = time.monotonic() + BUDGET_S
+    deadline = clock.monotonic() + BUDGET_S
     for pid in pids[:MAX_PROCESSES]:
-        left = deadline - time.monotonic()
+        left = deadline - clock.monotonic()
         if left <= 0.2:
             failures.append(f"{pid}: out of time")
             continue
-        try:
-            done = subprocess.run(
-                _command(tool, pid, pid in all_threads, native),
-                capture_output=True,
-                text=True,
-                timeout=min(PER_PROCESS_S, left),
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
+        done = _run_bounded(
+            _command(tool, pid, pid in all_threads, native), min(PER_PROCESS_S, left)
+        )
+        if done is None:
             failures.append(f"{pid}: no answer in {min(PER_PROCESS_S, left):.1f}s")
             continue
-        text = done.stdout.strip()
-        if done.returncode != 0 or not text:
-            reason = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        code, text, errors = done
+        text = text.strip()
+        if code != 0 or not text:
+            reason = (errors.strip().splitlines() or ["failed"])[-1]
             failures.append(f"{pid}: {reason[:160]}")
             continue
         stacks[pid] = text if len(text) <= MAX_CHARS else text[-MAX_CHARS:]

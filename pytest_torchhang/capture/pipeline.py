@@ -9,17 +9,17 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from dataclasses import dataclass
 
 import psutil
 
+from .. import clock
 from ..diagnosis import engine
 from ..diagnosis.roles import BUSY_CPU_S
-from ..inject.hook import STDERR_KEEP_BYTES, notes_path, role_path, stderr_path
+from ..inject.hook import STDERR_KEEP_BYTES, THREAD_PREFIX, notes_path, role_path, stderr_path
 from ..report.model import HangReport, ProcessReport, Role, StderrTail, ThreadStack
-from . import attach, collectives, procfs, waitgraph
-from .kill import KillResult, cleanup_shm, kill_tree
+from . import aio, attach, collectives, procfs, waitgraph
+from .kill import KillResult, kill_tree, remove_leftovers
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
 from .tree import ProcessId, helper_kind, is_zombie, split_descendants
@@ -42,12 +42,28 @@ CONTEXT_STATUS = (
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
 
 
-def _cpu(proc: psutil.Process) -> float:
+#: How long the CPU of every process is sampled, before any signal is sent: answering the dump
+#: signal (and the flight recorder's request) costs a process CPU that is not the test's.
+CPU_SAMPLE_S = 0.1
+
+
+def cpu_s(pid: int, skip_tids: set[int] | None = None) -> float | None:
+    """CPU seconds of ``pid``'s threads, the plugin's own (kernel name ``torchhang-*``: the
+    watchdog, the launcher, the /proc reader, a flight-recorder listener) and ``skip_tids`` (the
+    capture's) left out; None when it is gone."""
     try:
-        times = proc.cpu_times()
-        return float(times.user + times.system)
-    except psutil.Error:
-        return 0.0
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    ticks = 0
+    for name in tids:
+        tid = int(name)
+        if skip_tids and tid in skip_tids:
+            continue
+        stat = procfs.stat(pid, tid)
+        if stat is not None and not stat.comm.startswith(THREAD_PREFIX):
+            ticks += stat.cpu_ticks
+    return ticks / procfs.TICKS
 
 
 def _environ(reader: procfs.ProcReader, pid: int) -> dict[str, str]:
@@ -75,7 +91,7 @@ def _facts(
     proc: psutil.Process,
     now: float,
     dump: Dump,
-    cpu_before: float,
+    cpu: float,
     reader: procfs.ProcReader,
 ) -> ProcessReport:
     # No psutil call here reads the process's memory (cmdline, environ, name of a long command):
@@ -96,7 +112,6 @@ def _facts(
     shown = " ".join(cmdline or []) or name
     if cmdline is None and len(reader.unread) > unread:
         shown = f"{name} (command line {reader.unread[-1].reason})"
-    cpu = _cpu(proc)
     if dump.was_stopped:
         state = "stopped (SIGSTOP)"
     return ProcessReport(
@@ -106,7 +121,7 @@ def _facts(
         cmdline=shown.replace("\n", "\\n"),
         state=state,
         cpu_s=cpu,
-        cpu_delta_s=max(cpu - cpu_before, 0.0),
+        cpu_delta_s=0.0,  # the CPU sample fills it in
         rss_bytes=rss,
         num_threads=threads,
         age_s=age,
@@ -116,18 +131,12 @@ def _facts(
     )
 
 
-def _with_dump(
-    proc: psutil.Process, report: ProcessReport, dump: Dump, cpu_before: float, own: set[int] | None
-) -> ProcessReport:
-    """Facts taken before the dump, completed with its stacks and the CPU used meanwhile."""
+def _with_dump(report: ProcessReport, dump: Dump) -> ProcessReport:
+    """Facts taken before the dump (the CPU sample too), completed with its stacks."""
     report.dump_status = dump.status
     report.threads = dump.threads
     if dump.was_stopped:
         report.state = "stopped (SIGSTOP)"
-    cpu = waitgraph.cpu_s(proc.pid, own) if own is not None else _cpu(proc)
-    if cpu:  # 0.0: gone since the facts were read; keep what was read then
-        report.cpu_s = cpu
-        report.cpu_delta_s = max(cpu - cpu_before, 0.0)
     return report
 
 
@@ -166,7 +175,7 @@ def _roles(dump_dir: str | None, pids: list[int]) -> dict[int, str]:
 
 def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> HangReport:
     """Snapshot the tree and take every process's stacks; kills nothing."""
-    t0 = time.monotonic()
+    t0 = clock.monotonic()
     elapsed = t0 - target.started  # when the hang was declared, whatever the capture costs
     # Every read of /proc that can block (a process in state D) is bounded, and all of them by
     # the capture's budget: what is not read in time becomes a note.
@@ -176,28 +185,24 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     # The kernel's evidence and every process's facts first: asking for stacks signals and
     # continues stopped processes, which may then move on, or exit.
     seen = _before_signals(target, procs, skip_threads, reader, t0)
+    _sample_cpu(seen, t0)
     dumps = _take_stacks(target, procs, seen.own_stacks)
-    time.sleep(max(0.0, 0.1 - (time.monotonic() - t0)))  # a CPU sample needs a little time
     reports = [
-        _with_dump(
-            p,
-            seen.facts[p.pid],
-            dumps.get(p.pid, Dump("gone before its stack could be taken")),
-            seen.cpu_before.get(p.pid, 0.0),
-            seen.own if p.pid == os.getpid() else None,
-        )
+        _with_dump(seen.facts[p.pid], dumps.get(p.pid, Dump("gone before its stack could be taken")))
         for p in procs
     ]
     _second_look(reports)
+    left = target.capture_budget_s - (clock.monotonic() - t0)
+    aio_notes = aio.add_tasks(reports, target.dump_dir, seen.now, min(aio.TASKS_WAIT_S, left))
     env = {p.pid: _environ(reader, p.pid) for p in procs if p.pid != target.root_pid}
     notes = _add_waits(target, reports, seen.evidence, t0)
     _label(target, reports, env)
-    notes += _dump_notes(dumps)
+    notes += _dump_notes(dumps) + aio_notes
     if target.native:
         notes += _add_native(target, reports)
     else:
         _read_from_outside(reports)
-    began = time.time() - (time.monotonic() - target.started)
+    began = clock.wall() - (clock.monotonic() - target.started)
     # Before the diagnosis, which may read them: a traceback there often says the cause.
     fill_stderr_tails(target.dump_dir, reports, began)
     gone = gone_stderr_tails(target.dump_dir, {r.pid for r in reports}, began)
@@ -208,7 +213,7 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     report.processes += context_facts
     report.notes += reader.notes()
     report.notes += child_notes(target.dump_dir, report.processes, began)
-    report.capture_s = time.monotonic() - t0
+    report.capture_s = clock.monotonic() - t0
     return report
 
 
@@ -219,6 +224,16 @@ SECOND_LOOK_S = 0.1
 _ASLEEP = ("S", "D")  # /proc states of a process that waits
 
 
+def _sample_cpu(seen: _Observed, t0: float) -> None:
+    """The CPU each process uses over ``CPU_SAMPLE_S`` from ``t0``, before any signal is sent."""
+    clock.sleep(max(0.0, CPU_SAMPLE_S - (clock.monotonic() - t0)))
+    for pid, report in seen.facts.items():
+        cpu = cpu_s(pid, seen.own if pid == os.getpid() else None)
+        if cpu is not None:  # None: gone since the facts were read; keep what was read then
+            report.cpu_s = cpu
+            report.cpu_delta_s = max(cpu - seen.cpu_before.get(pid, cpu), 0.0)
+
+
 def _second_look(reports: list[ProcessReport]) -> None:
     """A second, short CPU sample of the processes that used a little CPU and then went to sleep.
 
@@ -227,22 +242,25 @@ def _second_look(reports: list[ProcessReport]) -> None:
     still uses CPU. A spinning process, or a retry loop, does; one that blocks for good does not.
     """
     first = {
-        r.pid: stat
+        r.pid: (stat, cpu)
         for r in reports
         if r.pid != os.getpid()
         and BUSY_CPU_S <= r.cpu_delta_s < SECOND_LOOK_BELOW_S
         and (stat := procfs.stat(r.pid)) is not None
         and stat.state in _ASLEEP
+        and (cpu := cpu_s(r.pid)) is not None
     }
     if not first:
         return
-    time.sleep(SECOND_LOOK_S)
+    clock.sleep(SECOND_LOOK_S)
     for report in reports:
-        before = first.get(report.pid)
-        now = procfs.stat(report.pid) if before else None
-        if before and now and now.start_ticks == before.start_ticks and now.state in _ASLEEP:
-            report.cpu_s = now.cpu_ticks / procfs.TICKS
-            report.cpu_delta_s = (now.cpu_ticks - before.cpu_ticks) / procfs.TICKS
+        if report.pid not in first:
+            continue
+        before, cpu_before = first[report.pid]
+        now, cpu = procfs.stat(report.pid), cpu_s(report.pid)
+        if now and cpu is not None and now.start_ticks == before.start_ticks and now.state in _ASLEEP:
+            report.cpu_s = cpu
+            report.cpu_delta_s = max(cpu - cpu_before, 0.0)
 
 
 @dataclass
@@ -270,15 +288,17 @@ def _before_signals(
     t0: float,
 ) -> _Observed:
     """CPU times, the wait-for evidence, this process's stacks and every process's facts."""
-    cpu_before = {p.pid: _cpu(p) for p in procs}
     own = _capture_tids(skip_threads)
-    if _reads_itself(target):
-        cpu_before[target.root_pid] = waitgraph.cpu_s(target.root_pid, own)  # not the capture's own
+    cpu_before: dict[int, float] = {}
+    for proc in procs:
+        cpu = cpu_s(proc.pid, own if proc.pid == os.getpid() else None)
+        if cpu is not None:
+            cpu_before[proc.pid] = cpu
     evidence = waitgraph.read([p.pid for p in procs], own, began=target.started, proc=reader)
     own_stacks = None
     if _reads_itself(target):
         own_stacks = in_process_threads(skip_threads)  # as the kernel saw them, before any signal
-    now = time.time()
+    now = clock.wall()
     facts = {p.pid: _facts(p, now, Dump(""), cpu_before.get(p.pid, 0.0), reader) for p in procs}
     return _Observed(own, cpu_before, evidence, own_stacks, now, facts)
 
@@ -311,7 +331,7 @@ def _add_waits(
     """The wait-for evidence and the ranks' collectives into the reports; returns notes."""
     # Ranks' flight recorders after the CPU sample: answering costs them a little CPU.
     asked = collectives.request_collectives([r.pid for r in reports], target.dump_dir)
-    fr_wait = max(0.3, target.capture_budget_s - (time.monotonic() - t0))
+    fr_wait = max(0.3, target.capture_budget_s - (clock.monotonic() - t0))
     return attach.attach(
         reports, evidence, collectives.collect_collectives(asked, target.dump_dir, fr_wait)
     )
@@ -331,6 +351,7 @@ def _explain(
     target: CaptureTarget, elapsed: float, reports: list[ProcessReport], notes: list[str]
 ) -> HangReport:
     """The report: the headline and the hints the diagnosis reads from the processes."""
+    hints = engine.hints(reports)
     return HangReport(
         test_id=target.test_id,
         timeout_s=target.timeout_s,
@@ -342,9 +363,11 @@ def _explain(
             reports,
             target.root_pid,
         ),
-        hints=engine.hints(reports),
+        hints=hints,
         processes=reports,
         notes=notes,
+        cause=engine.cause(hints, reports, target.root_pid),
+        culprits=engine.culprits(reports, target.root_pid),
     )
 
 
@@ -484,7 +507,7 @@ def _context_facts(
     """Facts (never stacks: no signal is sent) of processes that were there before the test."""
     out = []
     for proc in context:
-        fact = _facts(proc, now, Dump(CONTEXT_STATUS), _cpu(proc), reader)
+        fact = _facts(proc, now, Dump(CONTEXT_STATUS), cpu_s(proc.pid) or 0.0, reader)
         fact.role = f"{CONTEXT_ROLE}{f' ({fact.role})' if fact.role else ''}"
         fact.role_facts = Role.parse(fact.role)  # data too, like every role
         out.append(fact)
@@ -533,7 +556,7 @@ def _read_from_outside(reports: list[ProcessReport]) -> None:
 
 def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
     """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
-    started = time.monotonic()
+    started = clock.monotonic()
     if target.roots is None:
         result = kill_tree(
             target.root_pid,
@@ -547,14 +570,21 @@ def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
             _add_kill(result, target, root)
     for root in target.extra_roots:
         _add_kill(result, target, root)
-    result.shm_removed = cleanup_shm(target.shm_since, [p.pid for p in result.killed])
+    result.shm_removed = _remove_leftovers(target, result)
     if report is not None:
         report.killed = [p.pid for p in result.killed]
         report.spared = [p.pid for p in result.spared]
         report.survivors = [p.pid for p in result.survivors]
         report.shm_removed = result.shm_removed
-        report.kill_s = time.monotonic() - started
+        report.kill_s = clock.monotonic() - started
     return result
+
+
+def _remove_leftovers(target: CaptureTarget, result: KillResult) -> list[str]:
+    """/dev/shm segments and temp-dir listeners that the killed processes made or held."""
+    root_lives = target.roots is not None or not target.kill_root
+    # shm_since 0: a fixture call's children, whose leftovers count from the oldest one's start
+    return remove_leftovers(result, target.shm_since or None, [target.root_pid] if root_lives else [])
 
 
 def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
@@ -564,3 +594,4 @@ def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
     result.spared += part.spared
     result.survivors += part.survivors
     result.reaped.update(part.reaped)
+    result.held += part.held

@@ -6,10 +6,12 @@ import contextlib
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
+
+from .. import clock
+from ..inject.hook import THREAD_PREFIX, name_thread
 
 T = TypeVar("T")
 
@@ -117,7 +119,7 @@ _CHILDREN_FILES_SEEN: bool | None = None  # a kernel fact: read once
 
 def ppid_table(budget_s: float = SCAN_BUDGET_S) -> dict[int, list[int]]:
     """parent pid -> child pids, from one pass over /proc/*/stat (bounded by ``budget_s``)."""
-    deadline = time.monotonic() + budget_s
+    deadline = clock.monotonic() + budget_s
     table: dict[int, list[int]] = {}
     try:
         names = os.listdir("/proc")
@@ -126,7 +128,7 @@ def ppid_table(budget_s: float = SCAN_BUDGET_S) -> dict[int, list[int]]:
     for name in names:
         if not name.isdigit():
             continue
-        if time.monotonic() > deadline:
+        if clock.monotonic() > deadline:
             break
         info = stat(int(name))
         if info is not None:
@@ -300,10 +302,11 @@ class _Readers:
             if self.queue is None:
                 self.queue = queue.SimpleQueue()
                 self.thread = threading.Thread(
-                    target=_serve, args=(self.queue,), name="pytest-torchhang /proc reader",
+                    target=_serve, args=(self.queue,), name=f"{THREAD_PREFIX}proc-reader",
                     daemon=True,
                 )  # fmt: skip
                 self.thread.start()
+                name_thread(self.thread)
             self.queue.put(job)
             return "", self.queue
 
@@ -374,7 +377,9 @@ def call_with_timeout(timeout_s: float, fn: Callable[..., T], *args: object) -> 
     are raised here.
     """
     job = _Job(lambda: fn(*args), getattr(fn, "__name__", "call"))
-    threading.Thread(target=job.run, name="pytest-torchhang bounded call", daemon=True).start()
+    thread = threading.Thread(target=job.run, name=f"{THREAD_PREFIX}bounded-call", daemon=True)
+    thread.start()
+    name_thread(thread)
     if not job.done.wait(timeout_s):
         raise TimeoutError(f"{job.what} did not return within {timeout_s:.1f}s")
     if job.error is not None:
@@ -403,7 +408,7 @@ class ProcReader:
     is where the per-process directories are (/proc; a test points it elsewhere).
     """
 
-    deadline: float | None = None  # time.monotonic()
+    deadline: float | None = None  # clock.monotonic()
     timeout_s: float = READ_TIMEOUT_S
     skip_disk_sleep: bool = True
     root: str = "/proc"
@@ -426,7 +431,7 @@ class ProcReader:
     def _limit(self) -> float:
         if self.deadline is None:
             return self.timeout_s
-        return min(self.timeout_s, self.deadline - time.monotonic())
+        return min(self.timeout_s, self.deadline - clock.monotonic())
 
     def _call(self, pid: int, what: str, path: str, fn: Callable[[], T]) -> T | None:
         reason = self._skip(pid)

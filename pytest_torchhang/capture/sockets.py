@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
+
+from .. import clock
 
 
 def address(hexaddr: str) -> str:
@@ -34,8 +35,8 @@ def unix_peers(timeout_s: float = 0.2) -> dict[str, str]:
         header = struct.pack("=IHHII", 16 + len(req), 20, 0x301, 1, 0)  # SOCK_DIAG_BY_FAMILY
         try:
             sock.send(header + req)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
+            deadline = clock.monotonic() + timeout_s
+            while clock.monotonic() < deadline:
                 data = sock.recv(1 << 16)
                 offset = 0
                 while offset + 16 <= len(data):

@@ -9,10 +9,10 @@ import re
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from types import FrameType
 
+from .. import clock
 from ..inject.hook import DUMP_SIGNAL, dump_path
 from ..report.model import Frame, ThreadStack
 from . import procfs
@@ -252,7 +252,7 @@ def request_dumps(
             signal_process(ident, signal.SIGCONT)
         dumps[pid] = Dump("no stack: no answer within the capture budget", was_stopped=stopped)
         waiting[pid] = (path, offset)
-    _collect(dumps, waiting, time.monotonic() + budget_s)
+    _collect(dumps, waiting, clock.monotonic() + budget_s)
     return dumps
 
 
@@ -267,7 +267,7 @@ def _collect(dumps: dict[int, Dump], waiting: dict[int, tuple[str, int]], deadli
     one_thread = {pid: getattr(procfs.stat(pid), "num_threads", 0) == 1 for pid in waiting}
     unfinished: dict[int, str] = {}  # pid -> the text so far, not yet shown complete
     while waiting:
-        now = time.monotonic()
+        now = clock.monotonic()
         for pid, (path, offset) in list(waiting.items()):
             size = _size(path)
             if size <= offset or grown.get(pid, (0, 0.0))[0] == size:
@@ -284,7 +284,7 @@ def _collect(dumps: dict[int, Dump], waiting: dict[int, tuple[str, int]], deadli
         quiet = all(p in grown and now - grown[p][1] >= QUIET_S for p in waiting)
         if not waiting or now >= deadline or quiet:
             break
-        time.sleep(0.01)
+        clock.sleep(0.01)
     for pid, text in unfinished.items():
         dumps[pid].status = "ok"
         dumps[pid].threads = parse_faulthandler(text)

@@ -6,8 +6,9 @@ that act on it load only when a deadline first fires.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+
+from .. import clock
 
 #: (pid, start time in clock ticks) of processes alive at some moment: identities, not pids.
 Births = frozenset[tuple[int, int]]
@@ -21,7 +22,7 @@ class CaptureTarget:
     timeout_s: float
     root_pid: int
     dump_dir: str | None
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=clock.monotonic)
     exclude: set[int] = field(default_factory=set)
     shm_since: float = 0.0  # wall time the test began: /dev/shm segments younger are its own
     root_in_process: bool = True  # the root is this very process: read its stacks directly

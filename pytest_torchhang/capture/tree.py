@@ -8,6 +8,8 @@ processes to judge).
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -95,7 +97,42 @@ def identify(procs: Iterable[psutil.Process]) -> dict[int, ProcessId]:
 
 
 def signal_process(ident: ProcessId, sig: int) -> bool:
-    """Send ``sig`` to ``ident`` only if that pid still belongs to that process."""
+    """Send ``sig`` to ``ident`` only if that pid still belongs to that process.
+
+    Every signal the plugin sends to a process of the tree goes through here. Where the kernel
+    has pidfds (Linux 5.3+), the pid is pinned by a pidfd first, then its identity is checked,
+    then the signal goes through the pidfd: a process that exits and has its pid reused between
+    the check and the signal cannot get it. Elsewhere, psutil checks identity just before
+    ``kill(2)`` (a narrow window remains).
+    """
+    import psutil
+
+    fd = _pidfd(ident.pid)
+    if fd is None:
+        return _signal_by_pid(ident, sig)
+    try:
+        if not same_process(psutil.Process(ident.pid), ident):
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except (psutil.Error, OSError):  # ESRCH: it exited after the pidfd was opened
+        return False
+    finally:
+        os.close(fd)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid``; None where the kernel or Python has none, or the pid is gone (the
+    fallback then finds it gone too)."""
+    if not (hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # ENOSYS (an old kernel, a sandbox), ESRCH
+        return None
+
+
+def _signal_by_pid(ident: ProcessId, sig: int) -> bool:
     import psutil
 
     try:

@@ -8,11 +8,13 @@ import platform
 import re
 import signal
 import struct
-import time
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from stat import S_ISFIFO
 
+from .. import clock
+from ..report import waits as w
 from ..report.model import TaskWait, WaitEdge
 from . import procfs, sockets
 
@@ -48,6 +50,7 @@ _POLLS = ("poll", "ppoll", "select", "pselect6", "epoll_wait", "epoll_pwait", "e
 _SLEEPS = ("nanosleep", "clock_nanosleep", "pause", "rt_sigsuspend", "rt_sigtimedwait")
 _F_SETLKW = (7, 38)  # F_SETLKW (F_SETLKW64 on 64-bit), F_OFD_SETLKW
 _FUTEX_PRIVATE = 128
+_LITTLE = sys.byteorder == "little"
 
 
 @dataclass
@@ -115,7 +118,7 @@ class _Reader:
         self.began_boot_s: float | None = None
 
     def late(self) -> bool:
-        return time.monotonic() > self.deadline
+        return clock.monotonic() > self.deadline
 
     # --- per-process tables -------------------------------------------------------------------
 
@@ -255,56 +258,94 @@ class _Reader:
             # open(path, flags) or openat(dirfd, path, flags): only a FIFO's open blocks
             self._fifo_open(pid, task, *(args[0:2] if call == "open" else args[1:3]))
         elif call in _SLEEPS:
-            task.obj = "sleeping (a timed wait or a retry loop)"
+            self._set(task, w.Sleep())
+
+    @staticmethod
+    def _set(task: TaskWait, wait: w.WaitObject) -> None:
+        """The thread's wait object, and its text (several descriptors of a poll: the first is
+        the object, the text names them all)."""
+        if task.wait is None:
+            task.wait = wait
+            task.obj = wait.summary()
+        else:
+            task.obj = f"{task.obj}, {wait.summary()}"
 
     def _fd_wait(self, pid: int, task: TaskWait, fd: int, write: bool) -> None:
         target = self.fds(pid).get(fd)
         if target is None:
             return
-        label = f"fd {fd}: {target}"
-        task.obj = f"{task.obj}, {label}" if task.obj else label
-        if target.startswith("pipe:") or _is_fifo(pid, fd):
+        is_fifo = not target.startswith("pipe:") and _is_fifo(pid, fd)
+        if target.startswith("pipe:"):
+            self._set(task, w.Pipe(fd, target[len("pipe:[") : -1]))
+        elif is_fifo:
+            self._set(task, w.Fifo(target, fd))
+        elif not target.startswith("socket:"):
+            self._set(task, w.OtherFile(fd, target))
+        if target.startswith("pipe:") or is_fifo:
             want_writer = not write
             ends = []
             for holder, hfd in self.holders(target):
-                w = self.writable(holder, hfd)
-                if w is None or w == want_writer:
+                writes = self.writable(holder, hfd)
+                if writes is None or writes == want_writer:
                     ends.append(holder)
             role = "write" if want_writer else "read"
+            kind = w.HOLDS_WRITE_END if want_writer else w.HOLDS_READ_END
             pids = sorted(set(ends))
             if not pids:
                 # a blocked read means a writer exists (else it would read EOF): outside the tree
                 task.waits_for.append(
                     WaitEdge(
-                        -1, 0, f"{target}, whose {role} end only processes outside the tree hold"
+                        -1,
+                        0,
+                        f"{target}, whose {role} end only processes outside the tree hold",
+                        w.OUTSIDE,
                     )
                 )
             for other in pids:
                 own = " (its own copy)" if other == pid else ""
                 task.waits_for.append(
-                    WaitEdge(other, 0, f"{target}, whose {role} end it holds{own}")
+                    WaitEdge(other, 0, f"{target}, whose {role} end it holds{own}", kind)
                 )
         elif target.startswith("socket:"):
             inode = target[len("socket:[") : -1]
             peer = self._socket_peer(inode)
             if peer is None:
+                self._set(task, w.Socket(fd, inode))
                 return
             kind, peer_inode, where = peer
+            self._set(task, self._socket(fd, inode, kind))
             owners = sorted({h for h, _ in self.holders(f"socket:[{peer_inode}]")})
             if kind.startswith("listening"):
                 task.waits_for.append(
-                    WaitEdge(-1, 0, f"{kind} {target}{where}: a client to connect")
+                    WaitEdge(-1, 0, f"{kind} {target}{where}: a client to connect", w.LISTENING)
                 )
             elif not owners:
                 task.waits_for.append(
-                    WaitEdge(-1, 0, f"{kind} {target}{where}, whose peer is outside the tree")
+                    WaitEdge(
+                        -1, 0, f"{kind} {target}{where}, whose peer is outside the tree", w.OUTSIDE
+                    )
                 )
             for other in owners:
-                task.waits_for.append(
-                    WaitEdge(other, 0, f"{kind} {target}{where}, whose peer it holds")
-                )
+                via = f"{kind} {target}{where}, whose peer it holds"
+                task.waits_for.append(WaitEdge(other, 0, via, w.SOCKET_PEER))
         elif target.startswith("/") and not target.startswith(("/dev/", "/proc/")):
-            task.waits_for.append(WaitEdge(-1, 0, f"file {target}"))
+            task.waits_for.append(WaitEdge(-1, 0, f"file {target}", w.FILE))
+
+    def _socket(self, fd: int, inode: str, kind: str) -> w.Socket:
+        """The socket as data: its family, and its TCP addresses (``host:port``)."""
+        tcp = self.tcp().get(inode)
+        if tcp is None:
+            return w.Socket(fd, inode, family="unix" if kind.startswith("unix") else "")
+        local, remote, _state = tcp
+        listening = kind.startswith("listening")
+        return w.Socket(
+            fd,
+            inode,
+            family="tcp",
+            local=sockets.address(local),
+            remote="" if listening else sockets.address(remote),
+            listening=listening,
+        )
 
     def _socket_peer(self, inode: str) -> tuple[str, str, str] | None:
         tcp = self.tcp().get(inode)
@@ -337,13 +378,17 @@ class _Reader:
         if not S_ISFIFO(os.stat(path).st_mode):
             return
         reading = flags & 3 == os.O_RDONLY
-        task.obj = f"FIFO {path}, opening it for {'reading' if reading else 'writing'}"
         held = []
         for holder, hfd in self.holders(os.path.realpath(path)):
             end = self.writable(holder, hfd)
             held.append(f"pid {holder} ({'?' if end is None else 'write' if end else 'read'})")
-        task.obj += (
-            f"; open in {', '.join(held)}" if held else "; no process of the tree has it open"
+        self._set(
+            task,
+            w.Fifo(
+                path,
+                opening="reading" if reading else "writing",
+                held=f"open in {', '.join(held)}" if held else "no process of the tree has it open",
+            ),
         )
 
     def _c_string(self, pid: int, addr: int) -> str:
@@ -375,52 +420,72 @@ class _Reader:
 
     def _futex(self, pid: int, task: TaskWait, addr: int, op: int) -> None:
         if op & _FUTEX_PRIVATE:
-            task.obj = f"futex {addr:#x} private to this process (a lock, condition or event)"
+            self._set(task, w.Futex(addr))
             others = [t for t in os.listdir(f"/proc/{pid}/task") if int(t) != task.tid]
             others = [t for t in others if int(t) not in self.skip_tids]
             if not others:
                 task.waits_for.append(
-                    WaitEdge(0, 0, "no other thread in this process can release it")
+                    WaitEdge(0, 0, "no other thread in this process can release it", w.NOBODY)
                 )
             else:  # one edge for all of them: any other thread of this process may release it
-                task.waits_for.append(
-                    WaitEdge(pid, 0, f"one of the {len(others)} other thread(s) of this process")
-                )
+                via = f"one of the {len(others)} other thread(s) of this process"
+                task.waits_for.append(WaitEdge(pid, 0, via, w.THREAD))
             return
         mapping = next(((k, p) for s, e, k, p in self.maps(pid) if s <= addr < e), None)
         if mapping is None:
             unread = any(u.pid == pid and u.what == "maps" for u in self.proc.unread)
-            task.obj = f"futex {addr:#x} (shared{'; its maps were not read' if unread else ''})"
+            self._set(
+                task, w.Futex(addr, private=False, note="its maps were not read" if unread else "")
+            )
             return
         key, path = mapping
-        task.obj = f"futex {addr:#x} in {path}"
+        if path.startswith("/dev/shm/sem."):
+            self._set(task, self._semaphore(pid, addr, path))
+        else:
+            self._set(task, w.Futex(addr, private=False, path=path))
         sharers = [
             p for p in self.pids if p != pid and any(k == key for _, _, k, _ in self.maps(p))
         ]
         threads = len(os.listdir(f"/proc/{pid}/task"))
         if not sharers and threads <= 1:
             task.waits_for.append(
-                WaitEdge(0, 0, f"{path}, which no other process of the tree maps")
+                WaitEdge(0, 0, f"{path}, which no other process of the tree maps", w.NOBODY)
             )
         if threads > 1:
             task.waits_for.append(
-                WaitEdge(pid, 0, f"{path}, which another thread of this process may post")
+                WaitEdge(pid, 0, f"{path}, which another thread of this process may post", w.THREAD)
             )
         for other in sharers:
-            task.waits_for.append(WaitEdge(other, 0, f"{path}, which it maps too"))
+            task.waits_for.append(WaitEdge(other, 0, f"{path}, which it maps too", w.MAPS))
+
+    def _semaphore(self, pid: int, addr: int, path: str) -> w.Semaphore:
+        """A POSIX semaphore and its count: glibc keeps the count in the 32-bit word the
+        waiters sleep on (the low half of ``sem_t``'s 64-bit value, the waiters' count in the
+        high half), read from the process's memory."""
+        if self.late():
+            return w.Semaphore(addr, path, unread="the capture's time ran out")
+        data = self._mem(pid, addr, 4)
+        if len(data) < 4:
+            return w.Semaphore(addr, path, unread="its memory could not be read")
+        return w.Semaphore(addr, path, value=struct.unpack("<I" if _LITTLE else ">I", data)[0])
 
     def _file_lock(self, pid: int, task: TaskWait, fd: int) -> None:
         path = self.fds(pid).get(fd, f"fd {fd}")
         st = os.stat(f"/proc/{pid}/fd/{fd}")
         key = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}:{st.st_ino}"
-        task.obj = f"file lock on {path}"
+        self._set(task, w.FileLock(path))
         held = sorted({p for blocked, _k, k, p in self.locks() if k == key and not blocked})
         for holder in held:
             known = holder in self.pids or holder <= 0
             task.waits_for.append(
-                WaitEdge(holder if known else -1, 0, f"the lock it holds on {path}")
+                WaitEdge(
+                    holder if known else -1,
+                    0,
+                    f"the lock it holds on {path}",
+                    w.LOCK_HOLDER if known else w.OUTSIDE,
+                )
                 if holder > 0
-                else WaitEdge(-1, 0, f"an open-file-description lock on {path}")
+                else WaitEdge(-1, 0, f"an open-file-description lock on {path}", w.OUTSIDE)
             )
 
     def _wait_child(self, pid: int, task: TaskWait, args: list[int]) -> None:
@@ -430,11 +495,13 @@ class _Reader:
             target = args[1] if args[0] == 1 else -1
         children = procfs.children(pid)
         wanted = [target] if target > 0 else children
-        task.obj = f"waits for child {target} to exit" if target > 0 else "waits for any child"
+        self._set(task, w.ChildExit(target if target > 0 else -1))
         for child in wanted:
-            task.waits_for.append(WaitEdge(child, 0, "its exit (the parent waits for its child)"))
+            task.waits_for.append(
+                WaitEdge(child, 0, "its exit (the parent waits for its child)", w.CHILD)
+            )
         if not wanted:
-            task.waits_for.append(WaitEdge(0, 0, "no child left to wait for"))
+            task.waits_for.append(WaitEdge(0, 0, "no child left to wait for", w.NOBODY))
 
 
 _NO_TIMEOUT = {(1 << 64) - 1, (1 << 32) - 1}  # -1 as the kernel shows it
@@ -512,18 +579,18 @@ def read(
     """What every thread of ``pids`` (and their zombie children) waits for, bounded by ``budget_s``.
 
     ``skip_tids``: threads of the calling process that belong to the capture itself;
-    ``began``: when the test began (``time.monotonic()``); zombies older than that are left
+    ``began``: when the test began (``clock.monotonic()``); zombies older than that are left
     out (an earlier test's leftovers), and threads older than that are marked ``before_test``.
     Nothing is signalled or traced; files that cannot be read leave their fields empty. Reads
     that can block go through ``proc`` (a capture's reader, which then holds their notes).
     """
-    start = time.monotonic()
+    start = clock.monotonic()
     wanted = list(dict.fromkeys(pids))
     own_reader = proc is None
     proc = proc or procfs.ProcReader(deadline=start + budget_s)
     reader = _Reader(wanted, skip_tids or set(), start + budget_s, proc)
     if began is not None:  # the monotonic instant on the boot clock, both read at one moment
-        reader.began_boot_s = began + time.clock_gettime(time.CLOCK_BOOTTIME) - time.monotonic()
+        reader.began_boot_s = began + clock.boottime() - clock.monotonic()
     evidence = Evidence()
     for pid in wanted:
         evidence.members[pid] = _member(reader, pid)
@@ -545,7 +612,7 @@ def read(
         )
     if own_reader:
         evidence.notes += proc.notes()
-    evidence.read_s = time.monotonic() - start
+    evidence.read_s = clock.monotonic() - start
     return evidence
 
 

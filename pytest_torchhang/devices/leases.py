@@ -7,13 +7,12 @@ import fcntl
 import math
 import os
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
 
-from .. import settings
+from .. import clock, settings
 
 LEASE_TIMEOUT_INI = "torch_hang_gpu_lease_timeout"
 LEASE_TIMEOUT_ENV = "PYTEST_TORCH_HANG_GPU_LEASE_TIMEOUT"
@@ -105,12 +104,12 @@ class GpuLeaser:
         if not 1 <= count <= len(order) or not all(0 <= i < total for i in order):
             raise ValueError(f"cannot lease {count} of GPUs {order} (of {total})")
         os.makedirs(self.lock_dir, mode=0o700, exist_ok=True)
-        started = time.monotonic()
+        started = clock.monotonic()
         deadline = started + timeout_s
         queue_fd = _open_lock(self._path("queue.lock"))
         try:
             while not _try_lock(queue_fd):
-                if time.monotonic() >= deadline:
+                if clock.monotonic() >= deadline:
                     raise LeaseTimeout(
                         self._timeout_text(count, order, total, timeout_s)
                         + f"; queued behind {_read_holder(self._path('queue.lock'))}"
@@ -120,9 +119,9 @@ class GpuLeaser:
             while True:
                 lease = self._try_gpus(count, order, holder)
                 if lease is not None:
-                    lease.waited_s = time.monotonic() - started
+                    lease.waited_s = clock.monotonic() - started
                     return lease
-                if time.monotonic() >= deadline:
+                if clock.monotonic() >= deadline:
                     busy = [
                         f"GPU {i} held by {_read_holder(self._path(f'gpu-{i}.lock'))}"
                         for i in order
@@ -173,7 +172,7 @@ class GpuLeaser:
 
 def _pause() -> None:
     # Jitter keeps workers that poll together from colliding in step.
-    time.sleep(_POLL_S * (1.0 + random.random()))
+    clock.sleep(_POLL_S * (1.0 + random.random()))
 
 
 def lease_timeout(config: pytest.Config) -> float:

@@ -6,8 +6,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from ..report import groups
 from ..report.model import Hint, ProcessReport
+from .frames import waits_in_user_code
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
+from .rules.aio import hint_asyncio
 from .rules.distributed import hint_collectives, hint_rank_gone
 from .rules.loading import (
     hint_cuda_before_fork,
@@ -15,38 +18,120 @@ from .rules.loading import (
     hint_unpicklable_batch,
     hint_worker_lock,
 )
-from .rules.sharing import hint_fifo, hint_manager, hint_pipe, hint_pool_lost, hint_queue_join
-from .rules.starting import hint_still_starting
+from .rules.sharing import (
+    hint_end_marker,
+    hint_fifo,
+    hint_full_pipe,
+    hint_join_cycle,
+    hint_leaked_slots,
+    hint_manager,
+    hint_pipe,
+    hint_pool_lost,
+    hint_queue_join,
+)
+from .rules.starting import hint_import_lock_at_fork, hint_still_starting
 from .rules.waits import (
     hint_busy,
     hint_dead,
     hint_deadlock,
+    hint_no_answer,
     hint_outside,
+    hint_poll_dead,
     hint_sleeper,
     hint_stopped,
 )
 
-__all__ = ["HELPER_ROLES", "headline", "hints", "label_roles"]
+__all__ = ["HELPER_ROLES", "cause", "culprits", "headline", "hints", "label_roles", "odd_one_out"]
 
 Rule = Callable[[list[ProcessReport]], list[Hint]]
 
 
 def headline(test_id: str, elapsed: float, processes: list[ProcessReport], root_pid: int) -> str:
-    """``HANG after 8.0s in test_x: 3 processes, 2 stuck in DataLoader worker __getitem__``."""
+    """``HANG after 8.0s in test_x: 3 processes, 2 stuck in DataLoader worker __getitem__``.
+
+    When the processes of one role mostly agree and some differ, the headline names the odd one
+    out: ``5 processes, DataLoader worker 1/4 (pid 7) stuck in __getitem__ (3 other DataLoader
+    workers wait in _worker_loop -> queues.get -> select)``.
+    """
     live = len([p for p in processes if not p.exit_status])
     head = f"HANG after {elapsed:.1f}s in {test_id}: {live} process{'es' if live != 1 else ''}"
-    # helpers wait by design: they name the hang only when nothing else does
-    others = [
+    others = _stuck_children(processes, root_pid)
+    if not others:
+        root = next((p for p in processes if p.pid == root_pid), None)
+        return head + (f", stuck in {root.stuck_at}" if root and root.stuck_at else "")
+    odd = odd_one_out(processes, root_pid)
+    if odd is not None:
+        outlier, crowd = odd
+        where = outlier.processes[0].stuck_at
+        pending = groups.pending(outlier.processes[0])
+        if pending is not None:
+            where += f", in {groups.collective_text(pending)}"
+        many = len(crowd.processes)
+        return (
+            f"{head}, {outlier.who()} stuck in {where} ({many} other "
+            f"{groups.plural(crowd.role) if many > 1 else crowd.role} "
+            f"wait{'s' if many == 1 else ''} in {crowd.where})"
+        )
+    counted = Counter((role_of(p).general(), p.stuck_at) for p in others)
+    (kind, where), count = counted.most_common(1)[0]
+    return f"{head}, {count} stuck in {kind} {where}"
+
+
+def _stuck_children(processes: list[ProcessReport], root_pid: int) -> list[ProcessReport]:
+    """The test's processes but pytest that are stuck somewhere: helpers wait by design, and
+    name the hang only when nothing else does."""
+    return [
         p
         for p in processes
         if p.pid != root_pid and p.stuck_at and not is_helper(p) and not p.exit_status
     ]
+
+
+def odd_one_out(
+    processes: list[ProcessReport], root_pid: int
+) -> tuple[groups.StackGroup, groups.StackGroup] | None:
+    """The outlier the headline names, with the crowd of its peers it differs from: of the
+    roles whose processes mostly share one stack, the one with the largest crowd; None when no
+    role has a crowd and an outlier (every worker the same, or two ranks that each differ), or
+    when the crowd waits in the user's code and the outlier does not."""
+    stuck = {p.pid for p in _stuck_children(processes, root_pid)}
+    found = groups.group_processes([p for p in processes if p.pid in stuck])
+    crowds = {g.role: g for g in found if g.crowd}
+    outliers = [g for g in found if g.outlier and g.role in crowds]
+    if not outliers:
+        return None
+    outlier = max(outliers, key=lambda g: len(crowds[g.role].processes))
+    crowd = crowds[outlier.role]
+    # The crowd is taken to be waiting, the outlier to be the story: not when the crowd waits in
+    # the user's code and the outlier only in a library (three workers deadlocked in
+    # __getitem__, one idle in its loop: naming the idle one would be confidently wrong).
+    if waits_in_user_code(crowd.processes[0]) and not waits_in_user_code(outlier.processes[0]):
+        return None
+    return outlier, crowd
+
+
+def culprits(processes: list[ProcessReport], root_pid: int) -> list[int]:
+    """The pids the headline names: the odd one out, else the largest group of stuck
+    processes, else the pytest process."""
+    odd = odd_one_out(processes, root_pid)
+    if odd is not None:
+        return odd[0].pids
+    others = _stuck_children(processes, root_pid)
     if not others:
-        root = next((p for p in processes if p.pid == root_pid), None)
-        return head + (f", stuck in {root.stuck_at}" if root and root.stuck_at else "")
-    groups = Counter((role_of(p).general(), p.stuck_at) for p in others)
-    (kind, where), count = groups.most_common(1)[0]
-    return f"{head}, {count} stuck in {kind} {where}"
+        return [root_pid]
+    counted = Counter((role_of(p).general(), p.stuck_at) for p in others)
+    top = counted.most_common(1)[0][0]
+    return [p.pid for p in others if (role_of(p).general(), p.stuck_at) == top]
+
+
+def cause(found: list[Hint], processes: list[ProcessReport], root_pid: int) -> str:
+    """The headline's hint: the first hint about a process the headline names, else the first
+    hint; empty when no known pattern matched (a guess would be worse than nothing)."""
+    named = set(culprits(processes, root_pid))
+    known = [h for h in found if h.rule != "none"]
+    about = next((h for h in known if named & set(h.pids)), None)
+    chosen = about or (known[0] if known else None)
+    return chosen.text if chosen is not None else ""
 
 
 #: Rules in order: facts first (stopped, dead), then the specific stories, then the graph's
@@ -54,6 +139,7 @@ def headline(test_id: str, elapsed: float, processes: list[ProcessReport], root_
 RULES: tuple[Rule, ...] = (
     hint_stopped,
     hint_dead,
+    hint_asyncio,
     hint_collectives,
     hint_rank_gone,
     hint_unpicklable_batch,
@@ -61,6 +147,13 @@ RULES: tuple[Rule, ...] = (
     hint_queue_join,
     hint_manager,
     hint_pool_lost,
+    hint_import_lock_at_fork,
+    hint_leaked_slots,
+    hint_full_pipe,
+    hint_end_marker,
+    hint_join_cycle,
+    hint_no_answer,
+    hint_poll_dead,
     hint_fifo,
     hint_pipe,
     hint_openmp_after_fork,

@@ -10,7 +10,7 @@ import sysconfig
 from collections.abc import Callable
 
 from ..inject.beats import COLLECTIVES as BEATEN
-from ..report.model import Collective, Frame, ProcessReport, ThreadStack
+from ..report.model import AsyncTask, Collective, Frame, ProcessReport, ThreadStack, same_thread
 
 #: A rank may wait in these too, which the progress beats do not count as collectives.
 _NOT_BEATEN = (
@@ -126,6 +126,9 @@ def stuck_at(proc: ProcessReport) -> str:
     main = main_thread(proc)
     if main is None or not main.frames:
         return ""
+    task = stuck_task(proc, main)
+    if task is not None:  # the thread's select() says nothing: the task's await point does
+        return f"{task.awaited()} (asyncio task {task.name!r})"
     if any(in_file(f, "multiprocessing/util.py", "_exit_function") for f in main.frames) and any(
         in_file(f, "multiprocessing/queues.py", "_finalize_join", "join_thread")
         for f in main.frames
@@ -136,6 +139,28 @@ def stuck_at(proc: ProcessReport) -> str:
     user = next((f for f in main.frames[:_USER_FRAME_WINDOW] if not is_library(f)), None)
     frame = user or main.frames[0]
     return frame.name
+
+
+#: What an asyncio task can await that no other task of the loop ends (rules/aio.py's words).
+AWAIT_POINTS = ("Event", "Lock", "Semaphore", "Condition", "Barrier", "Queue", "future")
+
+
+def stuck_task(proc: ProcessReport, thread: ThreadStack) -> AsyncTask | None:
+    """The first task awaiting an asyncio primitive without a timeout, of the loop that
+    ``thread`` runs while it waits in ``select``."""
+    if not thread.frames or not in_file(thread.frames[0], "selectors.py", "select"):
+        return None
+    for loop in proc.event_loops:
+        if same_thread(loop.thread, thread.ident):
+            return next((t for t in loop.tasks if t.awaits in AWAIT_POINTS and not t.timed), None)
+    return None
+
+
+def waits_in_user_code(proc: ProcessReport) -> bool:
+    """The main thread waits in the user's code: a frame of it among the innermost, as
+    :func:`stuck_at` looks for one (a worker idle in its loop waits in library code only)."""
+    main = main_thread(proc)
+    return main is not None and any(not is_library(f) for f in main.frames[:_USER_FRAME_WINDOW])
 
 
 def pending_collective(proc: ProcessReport) -> Collective | None:
@@ -236,6 +261,11 @@ def primitive(thread: ThreadStack | None) -> tuple[str, Frame | None]:
         frame = frames[user]
         line = frame.line
         if "acquire(" in line or ("with " in line and "lock" in line.lower()):
+            # a C acquire called from the user's code: its object's name says what it is only
+            # when it says lock (a semaphore's acquire is not a Lock's)
+            match = re.search(r"([\w.\[\]]+)\.acquire\(", line)
+            if match and "lock" not in match.group(1).lower():
+                return f"{match.group(1)}.acquire()", frame
             return "Lock.acquire()", frame
         if "sleep(" in line:
             return "time.sleep()", frame

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import linecache
 import os
+import re
 from collections import Counter
 
-from ..report.model import ProcessReport, TaskWait, ThreadStack, WaitEdge
-from .frames import located, main_thread, primitive
+from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack, WaitEdge
+from ..report.waits import ChildExit
+from .frames import is_library, located, main_thread, primitive
 from .roles import is_pytest
 
 # Every process report carries its kernel threads (``tasks``), each with the system call it was
@@ -252,3 +255,84 @@ def cycle_text(cycle: list[ProcessReport]) -> str:
     first = next((k for k, p in enumerate(cycle) if is_pytest(p)), 0)
     ordered = cycle[first:] + cycle[:first]
     return " -> ".join(who(p) for p in [*ordered, ordered[0]])
+
+
+def user_frame(proc: ProcessReport, task: TaskWait | None = None) -> Frame | None:
+    """The innermost frame of the user's code in the thread of ``task`` (else the main one)."""
+    thread = task_thread(proc, task) if task else None
+    thread = thread or main_thread(proc)
+    return next((f for f in (thread.frames if thread else []) if not is_library(f)), None)
+
+
+def following_lines(frame: Frame, limit: int = 12) -> list[tuple[int, str]]:
+    """(line number, text) of up to ``limit`` lines after ``frame``'s in its function (the
+    lines indented deeper than the function's ``def``)."""
+    lines = linecache.getlines(frame.filename)
+    if not 0 < frame.lineno <= len(lines):
+        return []
+    body = len(lines[frame.lineno - 1]) - len(lines[frame.lineno - 1].lstrip())
+    top = 0  # the def's indent (a module's code: 0, and every line after it is "in" it)
+    for text in reversed(lines[: frame.lineno - 1]):
+        depth = len(text) - len(text.lstrip())
+        if text.lstrip().startswith(("def ", "async def ")) and depth < body:
+            top = depth + 1
+            break
+    out = []
+    for number in range(frame.lineno + 1, min(len(lines), frame.lineno + limit) + 1):
+        text = lines[number - 1]
+        if not text.strip() or text.strip().startswith("#"):
+            continue
+        if len(text) - len(text.lstrip()) < top:
+            break
+        out.append((number, text.strip()))
+    return out
+
+
+_HOLDS = re.compile(r"^\s*with\s+(.+?)\s*(?:as\s+\w+\s*)?:|^\s*([\w.\[\]]+)\.acquire\(")
+
+
+def code(line: str) -> str:
+    """A source line without its trailing comment, to quote in a hint."""
+    return re.sub(r"\s+#[^'\"]*$", "", line)
+
+
+def holds_an_acquire(thread: ThreadStack | None) -> bool:
+    """Whether a frame of the user's code in ``thread`` is inside a ``with X:`` block, or after
+    an ``X.acquire()`` of its function with no release between: it may hold a lock or a
+    semaphore slot, and release it when its wait ends. True when a source cannot be read."""
+    return acquire_held(thread) is not None
+
+
+def acquire_held(thread: ThreadStack | None) -> Frame | None:
+    """The line (as a frame: file, number, text) of the ``with X:`` or ``X.acquire()`` that a
+    frame of the user's code in ``thread`` may still hold (see :func:`holds_an_acquire`); the
+    frame itself when its source cannot be read."""
+    for frame in thread.frames if thread else []:
+        if is_library(frame):
+            continue
+        lines = linecache.getlines(frame.filename)[: frame.lineno]
+        if not lines:
+            return frame
+        indent = len(lines[-1]) - len(lines[-1].lstrip())
+        released: set[str] = set()
+        for number in range(len(lines) - 1, 0, -1):
+            line = lines[number - 1]
+            stripped = line.strip()
+            depth = len(line) - len(line.lstrip())
+            if stripped.startswith(("def ", "async def ")) and depth < indent:
+                break
+            if match := re.match(r"([\w.\[\]]+)\.release\(", stripped):
+                released.add(match.group(1))
+            found = _HOLDS.match(line)
+            if found and (
+                (found.group(1) and depth < indent)
+                or (found.group(2) and found.group(2) not in released)
+            ):
+                return Frame(frame.filename, number, frame.name, stripped)
+    return None
+
+
+def joins(proc: ProcessReport, task: TaskWait | None = None) -> bool:
+    """The thread waits for a child's exit (``Process.join()``, ``Popen.wait()``)."""
+    task = task or main_task(proc)
+    return task is not None and isinstance(task.wait, ChildExit)

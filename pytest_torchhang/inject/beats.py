@@ -29,7 +29,8 @@ from typing import Any
 
 from .hook import child_note
 
-#: Names the board file of the guarded test; set in the test's environment while it runs.
+#: Names the session's pointer to the guarded test's board (a link); set once, at the first
+#: test with stall detection, and left alone until the session ends.
 PROGRESS_ENV = "PYTEST_TORCH_HANG_PROGRESS"
 BOARD_BYTES = 4096
 #: Kinds of progress, in board order.
@@ -80,38 +81,67 @@ class _Board:
     words: Any = None  # the page as signed 64-bit integers; set last, cleared first
     tag = 0  # this process's pid, in its place in the last-beat word
     installed = False
+    #: The board the pointer named when this process first looked ("": none); None: not yet
+    looked: str | None = None
     #: What could not be patched here, said again by every fork child (its own report entry)
     failures: list[str] = []  # noqa: RUF012 - one list per process, on purpose
 
 
 def attach(path: str | None = None) -> bool:
-    """Use the board at ``path`` (default: from the environment); False when there is none.
+    """Use the board at ``path`` (default: the one the environment's pointer named when this
+    process first looked); False when there is none.
 
-    Cheap when ``path`` is the board in use; another path (the next test's) is mapped instead.
+    A process never moves on by itself to a later test's board: one an earlier test left
+    running cannot hide this test's stall. Cheap when the board is the one in use.
     """
-    path = path or os.environ.get(PROGRESS_ENV)
-    if not path:
-        return False
-    if path == _Board.path and _Board.words is not None:
+    if path is None:
+        pointer = os.environ.get(PROGRESS_ENV)
+        if not pointer:
+            return False
+        if _Board.looked is None:
+            _Board.looked = _resolve(pointer)
+        board = _Board.looked
+    else:
+        board = _resolve(path)
+    if not board:
+        return False  # no test had a board when this process first looked
+    if board == _Board.path and _Board.words is not None:
         return True
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(board, os.O_RDWR)
     except FileNotFoundError:
         return False  # its test is over: this process was left running after it
     except OSError as exc:
-        _failed(f"could not open the progress board {path} ({exc})", "its beats")
+        _failed(f"could not open the progress board {board} ({exc})", "its beats")
         return False
     try:
         page = mmap.mmap(fd, BOARD_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError) as exc:
-        _failed(f"could not map the progress board {path} ({exc})", "its beats")
+        _failed(f"could not map the progress board {board} ({exc})", "its beats")
         return False
     finally:
         os.close(fd)
     _Board.tag = os.getpid() << _PID_SHIFT
-    _Board.path, _Board.page = path, page
+    _Board.path, _Board.page = board, page
     _Board.words = memoryview(page).cast("q")  # last: a beat sees a whole board or none
     return True
+
+
+def _resolve(path: str) -> str:
+    """The board ``path`` names: a pointer's board, ``path`` itself when it is a board, and
+    ``""`` when it names none (a pointer between tests)."""
+    try:
+        return os.path.join(os.path.dirname(path), os.readlink(path))
+    except FileNotFoundError:
+        return ""
+    except OSError:  # not a link: a board
+        return path
+
+
+def look_again() -> None:
+    """Take the board the pointer names now at the next :func:`attach` (a new test in this
+    process; a runner child, forked from a zygote that looked long ago)."""
+    _Board.looked = None
 
 
 def detach() -> None:
@@ -127,9 +157,16 @@ def board_path(dump_dir: str, serial: int) -> str:
     return os.path.join(dump_dir, f"progress-{os.getpid()}-{serial}")
 
 
+def pointer_path(dump_dir: str) -> str:
+    """The link that names the current test's board, for the whole session: the environment
+    names it once (a ``setenv`` per test would race native threads that read the environment)."""
+    return os.path.join(dump_dir, f"progress-{os.getpid()}")
+
+
 def new_board(dump_dir: str, serial: int) -> Reader:
-    """A fresh board for the test about to run: made, named in the environment, and beaten into
-    by this process too (a test iterates its DataLoader here). Call :func:`end_board` after it.
+    """A fresh board for the test about to run: made, named by the session's pointer (which the
+    environment names from the first board on), and beaten into by this process too (a test
+    iterates its DataLoader here). Call :func:`end_board` after it.
 
     A new file each test: a process an earlier test left running keeps beating into that test's
     board, so it cannot hide this test's stall, and no file is ever shrunk while mapped.
@@ -143,25 +180,46 @@ def new_board(dump_dir: str, serial: int) -> Reader:
     finally:
         os.close(fd)
     reader = Reader(path)
-    os.environ[PROGRESS_ENV] = path
+    pointer = pointer_path(dump_dir)
+    _point(pointer, os.path.basename(path))
+    if os.environ.get(PROGRESS_ENV) != pointer:
+        os.environ[PROGRESS_ENV] = pointer  # once a session: it never changes afterwards
     known = list(_Board.failures)
+    look_again()
     install()
     for text in known:  # a capture keeps only its own test's notes: say them again for this one
         child_note(text)
     return reader
 
 
+def _point(pointer: str, board: str) -> None:
+    """Make ``pointer`` name ``board`` (a relative link, replaced in one step)."""
+    new = f"{pointer}.new"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(new)
+    os.symlink(board, new)
+    os.replace(new, pointer)
+
+
 def end_board(reader: Reader) -> None:
-    """The test of ``reader``'s board is over: the board leaves the environment, this process
-    and the disk (processes that still map it keep a valid page); ``reader`` keeps its last
-    state for a report made later."""
-    if os.environ.get(PROGRESS_ENV) == reader.path:
-        del os.environ[PROGRESS_ENV]
+    """The test of ``reader``'s board is over: the pointer names no board any more, and the board
+    leaves this process and the disk (processes that still map it keep a valid page); ``reader``
+    keeps its last state for a report made later."""
+    pointer = pointer_path(os.path.dirname(reader.path))
+    if _resolve(pointer) == reader.path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pointer)
     if _Board.path == reader.path:
         detach()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(reader.path)
     reader.close()
+
+
+def end_session(dump_dir: str) -> None:
+    """The session is over: its environment names no pointer any more."""
+    if os.environ.get(PROGRESS_ENV) == pointer_path(dump_dir):
+        del os.environ[PROGRESS_ENV]
 
 
 def create(path: str) -> None:

@@ -1,4 +1,5 @@
-"""Start-up hook for every Python process of a guarded test: dump all thread stacks on a signal.
+"""Start-up hook for every Python process of a guarded test: dump all thread stacks on a signal
+(and, from the main thread, the pending tasks of its asyncio event loops).
 
 This module must stay standard-library only and cheap to import: the injected ``sitecustomize``
 loads it by path in every interpreter a guarded test starts, before any user code runs.
@@ -7,19 +8,42 @@ loads it by path in every interpreter a guarded test starts, before any user cod
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import signal
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    import threading
     from collections.abc import Iterable
+    from types import FrameType
 
 #: Set by the plugin while a timeout is armed; names the directory for per-process dump files.
 DUMP_DIR_ENV = "PYTEST_TORCH_HANG_DUMP_DIR"
 #: The signal a guarded process answers by writing the stacks of all its threads. A real-time
 #: signal, so it does not collide with SIGUSR1/SIGUSR2 handlers that training code installs.
 DUMP_SIGNAL = signal.SIGRTMIN + 5
+
+# Wall time out of reach of a test's patches of ``time`` (freezegun, time-machine), as the
+# package's ``clock.wall`` reads it (this module may not import the package): the host's while
+# it agrees with its last trusted reading carried on the boot clock, else that reading carried.
+# A note's time is compared with a capture's start.
+_boottime = functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+_realtime = functools.partial(time.time)
+_anchor = (time.time(), _boottime())
+
+
+def _wall() -> float:
+    global _anchor
+    wall_then, boot_then = _anchor
+    now = _boottime()
+    carried = wall_then + (now - boot_then)
+    host = _realtime()
+    if abs(host - carried) < 1.0:
+        _anchor = (host, now)
+        return host
+    return carried
 
 
 def dump_path(dump_dir: str, pid: int) -> str:
@@ -52,6 +76,23 @@ def notes_path(dump_dir: str, pid: int) -> str:
     return os.path.join(dump_dir, f"{pid}.notes")
 
 
+#: The plugin's own threads are named so, in Python and in the kernel (``/proc/PID/task/TID/comm``,
+#: cut at 15 bytes), so that a capture from outside leaves them out of the test's CPU.
+THREAD_PREFIX = "torchhang-"
+
+
+def name_thread(thread: threading.Thread) -> None:
+    """Give a started thread of the plugin its Python name in the kernel too (Python before 3.14
+    does not), where a reader from outside sees it."""
+    if thread.native_id is None:
+        return
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/comm", "w") as comm:
+            comm.write(thread.name.encode()[:15].decode(errors="ignore"))
+    except OSError:  # no procfs (another platform), or the thread is gone
+        pass
+
+
 def child_note(text: str) -> None:
     """Record a failure of the plugin's own child-side code (a patch, a listener) for the report.
 
@@ -62,7 +103,7 @@ def child_note(text: str) -> None:
     dump_dir = _Registration.dump_dir or os.environ.get(DUMP_DIR_ENV)
     if not dump_dir:
         return
-    line = f"{time.time():.3f} " + " ".join(text.split())[:1000] + "\n"
+    line = f"{_wall():.3f} " + " ".join(text.split())[:1000] + "\n"
     try:
         fd = os.open(
             notes_path(dump_dir, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
@@ -102,6 +143,8 @@ class _Registration:
     #: Flight-recorder entries older than this (ns, wall clock) are not this process's: a fork
     #: copies its parent's ring buffer, and an earlier, destroyed process group leaves entries.
     group_since_ns = 0
+    #: The dump handler chains to the Python one that writes the asyncio tasks (main thread).
+    python_handler = False
 
 
 #: A process's stderr file is cut back to its last ``STDERR_KEEP_BYTES`` once it passes
@@ -241,7 +284,10 @@ def _register() -> None:
             f"stacks cannot be taken: {exc}"
         )
         return
-    faulthandler.register(DUMP_SIGNAL, file=new_file, all_threads=True, chain=False)
+    if inherited is None:  # faulthandler is not registered here yet: install its chain first
+        _chain_python_handler()
+    chain = _Registration.python_handler
+    faulthandler.register(DUMP_SIGNAL, file=new_file, all_threads=True, chain=chain)
     _Registration.file = new_file
     _Registration.pid = os.getpid()
     if inherited is not None and inherited is not new_file:
@@ -386,10 +432,11 @@ def start_collectives_listener(since_ns: int | None = None) -> bool:
     thread = threading.Thread(
         target=_serve_collectives,
         args=(fifo, collectives_path(dump_dir, pid), since_ns or _Registration.group_since_ns),
-        name="torch-hang flight recorder",
+        name=f"{THREAD_PREFIX}flight-recorder",
         daemon=True,
     )
     thread.start()
+    name_thread(thread)
     _Registration.listener_pid = pid
     return True
 
@@ -402,9 +449,7 @@ def _wrap_init(module: object) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: object, **kwargs: object) -> object:
-        import time
-
-        _Registration.group_since_ns = time.time_ns()
+        _Registration.group_since_ns = int(_wall() * 1e9)
         result = init(*args, **kwargs)
         start_collectives_listener()
         return result
@@ -462,6 +507,387 @@ def _install_finder() -> None:
         sys.meta_path.insert(0, _C10dFinder)  # type: ignore[arg-type]
 
 
+# --- asyncio tasks -------------------------------------------------------------------------
+# A thread that runs an event loop shows only the loop's ``select`` in its stack: what hangs
+# is in suspended coroutines. On the dump signal faulthandler writes the threads' stacks (in C,
+# at once), then chains to a Python handler that writes the pending tasks of the process's
+# running loops to ``PID.tasks.json`` as soon as the main thread runs Python code again.
+
+#: Bounds of one snapshot: tasks per loop, coroutine frames per task, locals and timers read.
+MAX_TASKS = 200
+MAX_TASK_FRAMES = 40
+_MAX_LOCALS = 50
+_MAX_TIMERS = 1000
+
+#: asyncio's await points (a task's innermost coroutine frame), by qualified name.
+_PRIMITIVES = {
+    "Event.wait": "Event",
+    "Lock.acquire": "Lock",
+    "Condition.wait": "Condition",
+    "Condition.wait_for": "Condition",
+    "Semaphore.acquire": "Semaphore",
+    "Barrier.wait": "Barrier",
+    "Barrier._block": "Barrier",
+    "Barrier._wait": "Barrier",
+    "Queue.get": "Queue",
+    "Queue.put": "Queue",
+    "Queue.join": "Queue",
+    "sleep": "sleep",
+}
+_PRIMITIVE_FILES = ("asyncio/locks.py", "asyncio/queues.py", "asyncio/tasks.py")
+
+
+def tasks_path(dump_dir: str, pid: int) -> str:
+    """The JSON file where process ``pid`` writes its loops' pending tasks, on the dump signal."""
+    return os.path.join(dump_dir, f"{pid}.tasks.json")
+
+
+def _qualname(code: Any, owner: object = None) -> str:
+    """``Event.wait``: the code's qualified name (3.10 has none: found in ``owner``'s classes)."""
+    qualname = getattr(code, "co_qualname", None)  # 3.11+
+    if qualname:
+        return str(qualname)
+    name = str(code.co_name)
+    classes = type(owner).__mro__ if owner is not None else ()
+    for cls in classes:
+        if getattr(cls.__dict__.get(name), "__code__", None) is code:
+            return f"{cls.__name__}.{name}"
+    return name
+
+
+def _all_tasks(asyncio: Any) -> list[Any]:
+    """Every task the process knows of, whatever its loop: 3.10 to 3.13 keep them in
+    module-level sets (a copy that meets a set changing size in another thread is retried)."""
+    found: list[Any] = []
+    for name in ("_all_tasks", "_scheduled_tasks", "_eager_tasks"):
+        group = getattr(asyncio.tasks, name, None)
+        for _ in range(100 if group is not None else 0):
+            try:
+                found.extend(list(group))  # type: ignore[arg-type]
+                break
+            except RuntimeError:
+                continue
+    return found
+
+
+def _running_loops(asyncio: Any) -> list[Any]:
+    """Loops found in the threads' frames (``self`` of ``run_forever``), for a Python that keeps
+    its tasks in no module-level set (3.14 keeps them per thread)."""
+    import sys
+
+    loops: list[Any] = []
+    for top in sys._current_frames().values():
+        frame: FrameType | None = top
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "run_forever" and code.co_filename.endswith("base_events.py"):
+                loop = frame.f_locals.get("self")
+                if isinstance(loop, asyncio.AbstractEventLoop) and loop not in loops:
+                    loops.append(loop)
+                break
+            frame = frame.f_back
+    return loops
+
+
+def _coroutine_frames(coro: Any) -> list[Any]:
+    """A task's suspended frames, outermost first, down its coroutines' ``cr_await`` chain (it
+    ends where a future is awaited: the task's ``_fut_waiter``), async generators included."""
+    frames: list[Any] = []
+    obj = coro
+    while obj is not None and len(frames) < MAX_TASK_FRAMES:
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None)
+        frame = frame or getattr(obj, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append(frame)
+        obj = _awaited_by(obj, frame)
+    return frames
+
+
+#: What a frame awaits when it awaits an async generator (``async for``, ``__anext__()``).
+_ASEND = ("async_generator_asend", "async_generator_athrow")
+
+
+def _awaited_by(obj: Any, frame: Any) -> Any:
+    """What the coroutine (or async generator, or generator) ``obj`` awaits."""
+    if hasattr(obj, "cr_frame"):
+        awaited = obj.cr_await
+    elif hasattr(obj, "ag_frame"):
+        awaited = obj.ag_await
+    else:
+        awaited = getattr(obj, "gi_yieldfrom", None)
+    if type(awaited).__name__ in _ASEND:
+        # The asend object does not say its generator: it is the one running among the objects
+        # the suspended frame holds (its locals, its closure's cells, and its value stack, where
+        # ``async for`` keeps it).
+        import gc
+
+        held = gc.get_referents(obj, frame)
+        for cell in [ref for ref in held if type(ref).__name__ == "cell"]:
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        awaited = next(
+            (
+                ref
+                for ref in held
+                if type(ref).__name__ == "async_generator" and getattr(ref, "ag_running", False)
+            ),
+            None,
+        )
+    return awaited
+
+
+def _await_point(frames: list[Any]) -> tuple[str, Any, Any]:
+    """(kind, frame, owner) of the asyncio primitive the user's code awaits: the outermost of
+    the innermost frames in asyncio's own files (``Queue.join`` awaits its own ``Event``)."""
+    found: tuple[str, Any, Any] = ("", None, None)
+    for frame in reversed(frames):  # innermost first
+        if not frame.f_code.co_filename.replace(os.sep, "/").endswith(_PRIMITIVE_FILES):
+            break
+        owner = frame.f_locals.get("self")
+        kind = _PRIMITIVES.get(_qualname(frame.f_code, owner), "")
+        if kind:
+            found = (kind, frame, owner)
+    return found
+
+
+def _awaits(frames: list[Any], waiter: Any, names: dict[int, str]) -> dict[str, Any]:
+    """What a task waits for: an asyncio primitive (one's await point is among its innermost
+    frames), another task, a ``gather()`` of tasks, or a future."""
+    out: dict[str, Any] = {"kind": "", "call": "", "obj": 0, "detail": "", "tasks": []}
+    kind, frame, owner = _await_point(frames)
+    if kind:
+        method = _qualname(frame.f_code, owner).rpartition(".")[2]
+        out["kind"] = kind
+        out["call"] = f"{type(owner).__name__}.{method}()" if owner is not None else "sleep()"
+        if owner is not None:
+            out["obj"] = id(owner)
+            out["detail"] = _primitive_state(kind, owner)
+        return out
+    if waiter is None:
+        return out
+    children = getattr(waiter, "_children", None)
+    if children is not None:  # the future of a gather()
+        out.update(kind="gather", call="gather()")
+        out["tasks"] = [names[id(c)] for c in children if id(c) in names]
+    elif id(waiter) in names:
+        out.update(kind="task", call=f"task {names[id(waiter)]!r}", tasks=[names[id(waiter)]])
+    else:
+        out.update(kind="future", call=type(waiter).__name__, obj=id(waiter))
+    return out
+
+
+def _primitive_state(kind: str, owner: Any) -> str:
+    """``not set``, ``locked``, ``0 item(s) of unbounded``: the awaited primitive's state."""
+    try:
+        if kind == "Event":
+            return "set" if owner.is_set() else "not set"
+        if kind in ("Lock", "Semaphore"):
+            return "locked" if owner.locked() else "free"
+        if kind == "Queue":
+            size = f"of {owner.maxsize}" if owner.maxsize > 0 else "of unbounded"
+            unfinished = getattr(owner, "_unfinished_tasks", 0)
+            done = f", {unfinished} not task_done()" if unfinished else ""
+            return f"{owner.qsize()} item(s) {size}{done}"
+    except Exception:  # a user's subclass: its state is a bonus
+        pass
+    return ""
+
+
+def _timer_refs(loop: Any) -> set[int]:
+    """Ids of what the loop's live timers will wake: a future (``sleep()``, ``wait_for()`` on
+    3.10/3.11), a task (``asyncio.timeout()``'s), the object of a bound callback."""
+    refs: set[int] = set()
+    for handle in list(getattr(loop, "_scheduled", ()))[:_MAX_TIMERS]:
+        if getattr(handle, "_cancelled", False):
+            continue
+        callback = getattr(handle, "_callback", None)
+        for ref in (getattr(callback, "__self__", None), *(getattr(handle, "_args", ()) or ())):
+            if ref is not None:
+                refs.add(id(ref))
+                task = getattr(ref, "_task", None)  # asyncio.timeout()'s Timeout
+                if task is not None:
+                    refs.add(id(task))
+    return refs
+
+
+def _loop_facts(loop: Any) -> dict[str, Any]:
+    """What could still wake the loop: ready callbacks, timers, file descriptors, signals
+    (-1: unknown, a loop of another kind than asyncio's own)."""
+    try:
+        ssock = getattr(loop, "_ssock", None)
+        own = ssock.fileno() if ssock is not None else -1  # its self-pipe: only for call_soon
+        fds = len([fd for fd in loop._selector.get_map() if fd != own])
+    except Exception:
+        fds = -1
+    scheduled = getattr(loop, "_scheduled", None)
+    ready = getattr(loop, "_ready", None)
+    return {
+        "loop": f"{type(loop).__module__}.{type(loop).__qualname__}",
+        "ready": len(ready) if ready is not None else -1,
+        "timers": len([h for h in scheduled if not h._cancelled]) if scheduled is not None else -1,
+        "fds": fds,
+        "signal_handlers": len(getattr(loop, "_signal_handlers", None) or {}) + _user_handlers(),
+    }
+
+
+#: Python signal handlers that cannot end a wait: Ctrl-C's (pytest's, asyncio.run's) and ours.
+_NOT_WAKERS = ("Runner._on_sigint", "default_int_handler")
+
+
+def _user_handlers() -> int:
+    """Python-level signal handlers of the process's own (a signal from outside runs them,
+    and they could end a wait), Ctrl-C's and the plugin's left out."""
+    count = 0
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (ValueError, OSError):
+            continue
+        handler = getattr(handler, "func", handler)  # asyncio.run's: a functools.partial
+        ours = str(getattr(handler, "__module__", "")).startswith("pytest_torchhang")
+        waker = getattr(handler, "__qualname__", "") not in _NOT_WAKERS
+        if callable(handler) and waker and not ours:
+            count += 1
+    return count
+
+
+def _task_row(task: Any, names: dict[int, str], timers: set[int]) -> dict[str, Any]:
+    """One task: its frames, what it awaits, whether a timer wakes it, what its frames hold."""
+    coro = task.get_coro()
+    frames = _coroutine_frames(coro)
+    waiter = getattr(task, "_fut_waiter", None)
+    awaits = _awaits(frames, waiter, names)
+    wake = {id(task), awaits["obj"]} | ({id(waiter)} if waiter is not None else set())
+    refs: set[int] = set()
+    for frame in frames:
+        refs.update(id(value) for value in list(frame.f_locals.values())[:_MAX_LOCALS])
+    code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
+    return {
+        "name": task.get_name(),
+        "coro": _qualname(code) if code is not None else type(coro).__name__,
+        "frames": [
+            [f.f_code.co_filename, f.f_lineno or 0, _qualname(f.f_code, f.f_locals.get("self"))]
+            for f in reversed(frames)  # most recent call first, as threads' stacks
+        ],
+        "awaits": awaits,
+        "timed": bool(wake & timers),
+        "refs": refs,
+    }
+
+
+def asyncio_snapshot() -> list[dict[str, Any]]:
+    """The running event loops of this process, each with its pending tasks and their coroutine
+    stacks (what ``python -m asyncio pstree`` shows on 3.14), as JSON-ready data.
+
+    It only reads, from any thread (the capture's, or the main thread's signal handler). Empty
+    when asyncio was never imported; bounded by ``MAX_TASKS`` and ``MAX_TASK_FRAMES``. Object
+    ids (``obj``, ``refs``) mean something within one snapshot only: which tasks refer to (in a
+    local of one of their frames) the primitive another task waits on.
+    """
+    import sys
+    import threading
+
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None or not hasattr(asyncio, "tasks"):
+        return []
+    tasks = _all_tasks(asyncio)
+    loops = list({id(t._loop): t._loop for t in tasks if getattr(t, "_loop", None)}.values())
+    if sys.version_info >= (3, 14):  # native tasks live per thread, in no module-level set
+        for loop in _running_loops(asyncio):
+            if loop not in loops:
+                loops.append(loop)
+                tasks.extend(asyncio.all_tasks(loop))
+    # No threading.enumerate(): its lock may be held by the very code the main thread's signal
+    # handler interrupted. A copy of the dict needs none (names are a bonus).
+    try:
+        threads = {i: t.name for i, t in dict(getattr(threading, "_active", {})).items()}
+    except RuntimeError:  # changed size while copied
+        threads = {}
+    current = getattr(asyncio.tasks, "_current_tasks", {})
+    out: list[dict[str, Any]] = []
+    for loop in loops:
+        if not loop.is_running() or loop.is_closed():
+            continue  # nothing runs it, so nothing of it is stuck (an earlier test's loop)
+        pending = [
+            t for t in dict.fromkeys(tasks) if getattr(t, "_loop", None) is loop and not t.done()
+        ]
+        names = {id(t): t.get_name() for t in pending}
+        timers = _timer_refs(loop)
+        rows = [_task_row(t, names, timers) for t in pending[:MAX_TASKS]]
+        awaited = {row["awaits"]["obj"] for row in rows} - {0}
+        for task, row in zip(pending[:MAX_TASKS], rows, strict=True):
+            row["refs"] = sorted(row["refs"] & awaited)
+            row["state"] = "running" if current.get(loop) is task else "pending"
+        ident = getattr(loop, "_thread_id", None)
+        out.append(
+            {
+                "thread": hex(ident) if ident else "",
+                "thread_name": threads.get(ident, "") if ident else "",
+                **_loop_facts(loop),
+                "tasks": rows,
+                "tasks_left_out": max(len(pending) - MAX_TASKS, 0),
+            }
+        )
+    return out
+
+
+def _write_tasks() -> None:
+    """Write this process's snapshot to its ``PID.tasks.json`` (only where asyncio is imported)."""
+    import sys
+
+    dump_dir = _Registration.dump_dir
+    if dump_dir is None or "asyncio" not in sys.modules:
+        return
+    import json
+
+    try:
+        doc: dict[str, Any] = {"pid": os.getpid(), "loops": asyncio_snapshot()}
+    except Exception as exc:  # the stacks are taken already: say why the tasks are not
+        doc = {"pid": os.getpid(), "loops": [], "error": f"{type(exc).__name__}: {exc}"}
+    doc["written"] = _wall()
+    path = tasks_path(dump_dir, os.getpid())
+    with open(path + ".tmp", "w") as out:
+        json.dump(doc, out, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def _on_dump_signal(signum: int, frame: object) -> None:
+    """The Python half of the dump handler (faulthandler chains to it): the asyncio tasks."""
+    try:
+        _write_tasks()
+    except Exception as exc:  # never into the user's code
+        child_note(
+            f"pytest-torchhang could not write the asyncio tasks of pid {os.getpid()}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+
+
+def _chain_python_handler() -> bool:
+    """Install :func:`_on_dump_signal` as the handler faulthandler chains to, before it
+    registers. Where that cannot be (not the main thread; the user's own handler is there),
+    faulthandler does not chain: chaining to the default action would kill the process."""
+    current = signal.getsignal(DUMP_SIGNAL)
+    if getattr(current, "__qualname__", None) == _on_dump_signal.__qualname__:
+        # An earlier copy of this module (pytester's inline sessions import it anew) chained
+        # it: faulthandler's registration chains to it still, and signal.signal would take
+        # faulthandler's place in the kernel.
+        _Registration.python_handler = True
+        return True
+    if current not in (signal.SIG_DFL, None):
+        return False
+    # An earlier copy's registration that did not chain: it is registered again, chained.
+    faulthandler.unregister(DUMP_SIGNAL)
+    try:
+        signal.signal(DUMP_SIGNAL, _on_dump_signal)
+    except ValueError:  # not the main thread
+        return False
+    _Registration.python_handler = True
+    return True
+
+
 def uninstall() -> None:
     """Stop answering the dump signal in this process (used by the pytest process at the end)."""
     _Registration.dump_dir = None
@@ -470,6 +896,12 @@ def uninstall() -> None:
         faulthandler.unregister(DUMP_SIGNAL)
     except (RuntimeError, ValueError):
         pass
+    if _Registration.python_handler:
+        _Registration.python_handler = False
+        try:  # noqa: SIM105
+            signal.signal(DUMP_SIGNAL, signal.SIG_DFL)
+        except (ValueError, OSError):  # not the main thread: ours stays, and only reads
+            pass
     if _Registration.file is not None:
         _Registration.file.close()
         _Registration.file = None

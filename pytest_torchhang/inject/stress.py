@@ -47,6 +47,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+# Bound at import, out of reach of a test's patches of ``time`` (as inject/hook.py does).
+_sleep = functools.partial(time.sleep)
+
 #: The run's seed; set (by the hunt) in the environment of a stressed run's processes.
 STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
 #: This process's place in the tree, handed to a spawned child (a fork child derives its own).
@@ -175,7 +178,7 @@ def point(site: str) -> None:
         except OSError:
             pass
     if wait >= 0:
-        time.sleep(wait)  # 0: let another thread run
+        _sleep(wait)  # 0: let another thread run
 
 
 def call(site: str, op: Callback, *args: Any, before: bool = True, after: bool = True) -> Any:
@@ -475,7 +478,7 @@ def _open_record() -> None:
 def _start_jitter() -> None:
     """A random pause at a process's start (and after each fork), from its own schedule."""
     rng = random.Random(f"{_State.seed}/{_State.identity}/start")
-    time.sleep(rng.random() * START_JITTER_S)
+    _sleep(rng.random() * START_JITTER_S)
 
 
 def _before_fork() -> None:

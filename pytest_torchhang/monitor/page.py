@@ -5,8 +5,9 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import time
 from collections.abc import Iterable
+
+from .. import clock
 
 
 class DeadlineBoard:
@@ -70,7 +71,7 @@ class DeadlineBoard:
                 self._page, 0
             )
             if seq % 2:
-                time.sleep(0.0001)
+                clock.sleep(0.0001)
                 continue
             name = bytes(self._page[self._ID_AT : self._ID_AT + length])
             pairs = frozenset(

@@ -17,8 +17,8 @@ import select
 import shutil
 import signal
 import sys
-import time
 
+from .. import clock
 from .page import DeadlineBoard
 
 #: How long after the deadline the watchdog thread has to say it fired.
@@ -69,7 +69,7 @@ def _take_over(
         report = HangReport(
             test_id=test_id,
             timeout_s=timeout,
-            elapsed_s=time.monotonic() - target.started,
+            elapsed_s=clock.monotonic() - target.started,
             phase="call",
             headline=f"HANG in {test_id}: the stacks could not be taken",
             notes=[f"pytest-torchhang's last-resort capture failed: {exc}"],
@@ -107,7 +107,7 @@ def _take_over(
         shutil.rmtree(dump_dir, ignore_errors=True)  # pytest, which would have removed it, is gone
     if report_dir:
         os.makedirs(report_dir, exist_ok=True)
-        name = f"session-stop-{pytest_pid}-{int(time.time())}.json"
+        name = f"session-stop-{pytest_pid}-{int(clock.wall())}.json"
         with open(os.path.join(report_dir, name), "w") as out:
             json.dump(report.to_json(), out, indent=1, default=str)
 
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     pending = b""
     # A monitor restarted late may find a deadline already past on the page: the watchdog,
     # which restarted it, gets its grace from now, not from then.
-    earliest = time.monotonic() + GIL_GRACE_S
+    earliest = clock.monotonic() + GIL_GRACE_S
     while True:
         current = board.read()
         if current is None or (fired is not None and fired[0] != current[0]):
@@ -132,7 +132,7 @@ def main(argv: list[str]) -> int:
         if current is not None:
             due = fired[1] + HARD_GRACE_S if fired is not None else current[1] + GIL_GRACE_S
             due = max(due, earliest)
-        now = time.monotonic()
+        now = clock.monotonic()
         if current is not None and due is not None and now >= due:
             deadline, timeout_s, before, test_id = current[1:]
             _take_over(
@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
             if spare_root:  # the host goes on: so does the monitor, for later tests
                 board_generation = current[0]
                 while (again := board.read()) is not None and again[0] == board_generation:
-                    time.sleep(0.2)  # until the host moves on to another deadline
+                    clock.sleep(0.2)  # until the host moves on to another deadline
                 fired = None
                 continue
             return 1
@@ -166,4 +166,4 @@ def main(argv: list[str]) -> int:
                 if raw.strip() == b"FIRED":
                     armed_now = board.read()
                     if armed_now is not None:
-                        fired = (armed_now[0], time.monotonic())
+                        fired = (armed_now[0], clock.monotonic())

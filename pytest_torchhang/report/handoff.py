@@ -14,6 +14,14 @@ from .model import HangReport
 
 HANG_PROPERTY = "torch_hang"
 HEADLINE_PROPERTY = "torch_hang_headline"
+#: ``hang`` (past its deadline) or ``stall`` (no progress for the stall time): the outcome.
+KIND_PROPERTY = "torch_hang_kind"
+#: The headline's hint, when one matched: what JUnit readers and dashboards group hangs by.
+CAUSE_PROPERTY = "torch_hang_cause"
+#: The outcomes a hang report gets instead of "failed": (category, letter, word). The report
+#: stays failed (exit code 1, ``-x``, ``--maxfail``, ``--lf``, JUnit's <failure> count it);
+#: only the terminal's count and word are its own.
+OUTCOMES = {"hang": ("hang", "H", "HANG"), "stall": ("stall", "S", "STALL")}
 #: The report's attribute holding the hang as its JSON document: pytest-xdist sends a report's
 #: attributes to the controller, which rebuilds the model from it (the job summary's graph).
 #: Not a section (the terminal prints sections) nor a property (JUnit XML writes properties).
@@ -90,7 +98,10 @@ def mark_hang(
         ("torch_hang_timeout", f"{hang.timeout_s:g}"),
         ("torch_hang_processes", str(len(hang.processes))),
         (HEADLINE_PROPERTY, hang.headline),
+        (KIND_PROPERTY, hang.kind if hang.kind in OUTCOMES else "hang"),
     ]
+    if hang.cause:
+        properties.append((CAUSE_PROPERTY, hang.cause))
     if json_path:
         properties.append(("torch_hang_report", json_path))
     longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
@@ -118,8 +129,26 @@ def hang_model(report: pytest.TestReport) -> HangReport | None:
         return None
 
 
+def _property(report: pytest.TestReport, name: str) -> str:
+    return str(next((v for k, v in report.user_properties if k == name), ""))
+
+
 def headline(report: pytest.TestReport) -> str:
-    return str(next((v for k, v in report.user_properties if k == HEADLINE_PROPERTY), ""))
+    return _property(report, HEADLINE_PROPERTY)
+
+
+def outcome(report: pytest.TestReport) -> tuple[str, str, str]:
+    """(category, letter, word) of a hang report: ``("hang", "H", "HANG")`` or the stall's."""
+    return OUTCOMES.get(_property(report, KIND_PROPERTY), OUTCOMES["hang"])
+
+
+def section_title(report: pytest.TestReport) -> str:
+    """The title of a hang's section, as pytest titles a failure's: the test's name, with the
+    phase when it hung outside the test body (``HANG at teardown of test_x``)."""
+    name = report.head_line or report.nodeid
+    if report.when == "call":
+        return name
+    return f"{outcome(report)[2]} at {report.when} of {name}"
 
 
 def restore_longrepr(report: pytest.TestReport) -> None:

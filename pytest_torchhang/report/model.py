@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .. import clock
+from . import waits
+from .waits import WaitObject
 
 #: Version of the JSON document written per hang; bump on incompatible changes.
 SCHEMA_VERSION = 1
@@ -14,6 +17,8 @@ MAX_TEXT_CHARS = 200_000
 #: Upper bound on one process's block in the text, and on the threads shown per process.
 MAX_BLOCK_CHARS = 40_000
 MAX_THREADS = 40
+#: Lines of the table of process groups at the top of the text.
+MAX_GROUP_LINES = 12
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class WaitEdge:
     pid: int
     tid: int = 0
     via: str = ""
+    #: what ``pid`` is to the wait (``report.waits.HOLDS_WRITE_END``, ``CHILD``, ...); "" in
+    #: reports written before edges had kinds
+    kind: str = ""
 
 
 @dataclass
@@ -67,6 +75,8 @@ class TaskWait:
     python_thread: str = ""  # ident of the Python thread this is, when known
     before_test: bool = False  # started before the test began (an earlier test's, a session's)
     timed: bool = False  # the wait has a timeout: the thread wakes up by itself
+    #: the object as data (``report.waits``); ``obj`` is its summary, for readers of the text
+    wait: WaitObject | None = None
 
     def summary(self) -> str:
         """``read(fd 3: pipe:[307072]) [anon_pipe_read]``, or ``running``."""
@@ -90,6 +100,69 @@ class Collective:
         """``#12 all_reduce([1024])``."""
         sizes = ", ".join(str(s) if s else "scalar" for s in self.sizes)
         return f"#{self.seq} {self.name}" + (f"({sizes})" if sizes else "")
+
+
+@dataclass
+class AsyncTask:
+    """One pending asyncio task of a running loop: where its coroutines are suspended (each
+    frame down its ``cr_await`` chain, most recent call first) and what it awaits."""
+
+    name: str  # the task's name: ``Task-2``, or what ``create_task(name=...)`` gave
+    coro: str = ""  # its coroutine's qualified name
+    state: str = "pending"  # or "running": the loop was running it
+    frames: list[Frame] = field(default_factory=list)
+    #: Event, Lock, Queue, Condition, Semaphore, Barrier, sleep (asyncio's await points),
+    #: task, gather (other tasks), future, or "" (nothing known)
+    awaits: str = ""
+    call: str = ""  # ``Event.wait()``, ``PriorityQueue.get()``, ``gather()``, ``task 'Task-3'``
+    detail: str = ""  # the awaited primitive's state: ``not set``, ``locked``, ``0 item(s) of 4``
+    awaits_tasks: list[str] = field(default_factory=list)  # names, for task and gather
+    obj: int = 0  # the awaited primitive's identity within one capture (0: none)
+    refs: list[int] = field(default_factory=list)  # awaited primitives its frames' locals hold
+    timed: bool = False  # a timer of the loop will wake it (sleep, wait_for, asyncio.timeout)
+
+    def awaited(self) -> str:
+        """``Event.wait()``, ``a Future``, ``nothing known``: what it awaits, in words."""
+        if not self.call:
+            return "nothing known"
+        return f"a {self.call}" if self.awaits == "future" else self.call
+
+    def label(self) -> str:
+        """``task 'Task-2' (test_event)``."""
+        coro = self.coro.rpartition(".")[2]
+        return f"task {self.name!r}" + (f" ({coro})" if coro else "")
+
+
+@dataclass
+class EventLoop:
+    """A running asyncio event loop of a process and its pending tasks; the counts say what
+    could still wake it (-1: unknown, a loop of another kind than asyncio's own)."""
+
+    thread: str  # ident of the thread running it (as ``ThreadStack.ident``)
+    thread_name: str = ""
+    loop: str = ""  # its class
+    ready: int = 0  # callbacks ready to run
+    timers: int = 0  # timers not cancelled
+    fds: int = 0  # file descriptors it watches, its own self-pipe left out
+    #: loop.add_signal_handler's, and the process's own Python handlers (Ctrl-C's aside)
+    signal_handlers: int = 0
+    tasks: list[AsyncTask] = field(default_factory=list)
+    tasks_left_out: int = 0
+
+    def idle(self) -> bool:
+        """Nothing of the loop's own can wake it: no ready callback, timer, file, signal."""
+        return (self.ready, self.timers, self.fds, self.signal_handlers) == (0, 0, 0, 0)
+
+    def wakers(self) -> str:
+        """``2 timer(s), 1 file descriptor(s)``: what could still wake it, or ``nothing``."""
+        counts = [
+            (self.ready, "ready callback(s)"),
+            (self.timers, "timer(s)"),
+            (self.fds, "file descriptor(s)"),
+            (self.signal_handlers, "signal handler(s)"),
+        ]
+        said = [f"{n} {what}" if n >= 0 else f"unknown {what}" for n, what in counts if n]
+        return ", ".join(said) or "nothing"
 
 
 #: The parenthesis of a rank started by ``torch.multiprocessing.spawn`` (not a backend).
@@ -223,6 +296,7 @@ class ProcessReport:
     role_facts: Role | None = None  # the role as data; ``role`` is its text (set by diagnosis)
     libcuda: bool = False  # libcuda is mapped: the process has initialised CUDA
     stderr_tail: list[str] = field(default_factory=list)  # its last lines on sys.stderr, bounded
+    event_loops: list[EventLoop] = field(default_factory=list)  # running asyncio loops, tasks
 
     def role_data(self) -> Role:
         """The role as data: ``role_facts``, or, in a report built without them, ``role`` read."""
@@ -261,15 +335,21 @@ class HangReport:
     killed: list[int] = field(default_factory=list)
     spared: list[int] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)
-    shm_removed: list[str] = field(default_factory=list)
+    shm_removed: list[str] = field(default_factory=list)  # /dev/shm names; temp-dir paths
     capture_s: float = 0.0
     kill_s: float = 0.0  # from the start of the kill to a dead, reaped tree
-    created: float = field(default_factory=time.time)
+    created: float = field(default_factory=clock.wall)
     notes: list[str] = field(default_factory=list)
     kind: str = "hang"  # "hang": past its deadline; "stall": no progress for the stall time
     progress: dict[str, Any] = field(default_factory=dict)  # a stall's progress, bounded
     #: Processes of the tree gone (and reaped) before the capture that wrote to their stderr.
     gone_stderr: list[StderrTail] = field(default_factory=list)
+    #: The headline's hint: the text of the first hint about the process the headline names;
+    #: empty when no known pattern matched.
+    cause: str = ""
+    #: The processes the headline names (the odd one out, else the largest stuck group): their
+    #: blocks come first in the text.
+    culprits: list[int] = field(default_factory=list)
 
     def to_text(self) -> str:
         """The report as a user reads it in the terminal, a failure message or a log."""
@@ -280,6 +360,20 @@ class HangReport:
         for note in self.notes:
             out.append(f"note: {note}")
         out.append("")
+        from . import groups  # groups reads this module's types
+
+        found = groups.group_processes(self.processes, self.culprits)
+        if len(found) > 1 or any(len(g.processes) > 1 for g in found):
+            out.append("processes, the odd one out first:")
+            for group in found[:MAX_GROUP_LINES]:
+                peers = next((g for g in found if g.crowd and g.role == group.role), None)
+                odd = ""
+                if group.outlier and peers is not None:
+                    odd = f"  <- differs from {len(peers.processes)} identical"
+                out.append(f"  {group.line()}{odd}")
+            if len(found) > MAX_GROUP_LINES:
+                out.append(f"  ... and {len(found) - MAX_GROUP_LINES} more (below)")
+            out.append("")
         head = "\n".join(out)
         tail = self._kill_summary()
         # Bounded, but the headline, the hints and the cleanup line always stay: each process
@@ -291,7 +385,8 @@ class HangReport:
             [f"--- process {t.pid}, gone before the capture", *_stderr_lines(t.lines), ""]
             for t in self.gone_stderr
         ]
-        for lines in [*(_process_text(p, roles) for p in self.processes), *gone]:
+        shown = [_process_text(g.processes[0], roles, g.processes[1:]) for g in found]
+        for lines in [*shown, *gone]:
             block = _cap("\n".join(lines), MAX_BLOCK_CHARS)
             if len(block) + 1 <= budget:
                 blocks.append(block)
@@ -316,8 +411,15 @@ class HangReport:
             )
         if self.survivors:
             parts.append(f"COULD NOT KILL {self.survivors}")
-        if self.shm_removed:
-            parts.append(f"removed {len(self.shm_removed)} /dev/shm segment(s)")
+        # /dev/shm names are bare; what went from $TMPDIR (a Manager's listener) is a path
+        segments = [name for name in self.shm_removed if "/" not in name]
+        if segments:
+            parts.append(f"removed {len(segments)} /dev/shm segment(s)")
+        if len(segments) < len(self.shm_removed):
+            parts.append(
+                f"removed {len(self.shm_removed) - len(segments)} multiprocessing listener "
+                "socket(s) and dir(s) from the temp dir"
+            )
         return (
             "cleanup: "
             + "; ".join(parts)
@@ -332,9 +434,17 @@ class HangReport:
         # document written before they were kept.
         if not doc["gone_stderr"]:
             del doc["gone_stderr"]
-        for proc in doc["processes"]:
+        if not doc["cause"]:  # no hint matched (or written before the cause was kept)
+            del doc["cause"]
+        if not doc["culprits"]:
+            del doc["culprits"]
+        for proc, report in zip(doc["processes"], self.processes, strict=True):
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]
+            if not proc["event_loops"]:
+                del proc["event_loops"]
+            for task, kept in zip(proc["tasks"], report.tasks, strict=True):
+                task["wait"] = waits.to_json(kept.wait)  # with its tag, which asdict drops
         doc["schema"] = "pytest-torchhang/hang-report"
         doc["schema_version"] = SCHEMA_VERSION
         return doc
@@ -369,17 +479,39 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
         ThreadStack(**{**t, "frames": [Frame(**f) for f in t.get("frames", [])]})
         for t in doc.get("threads", [])
     ]
-    fields["tasks"] = [
-        TaskWait(**{**t, "waits_for": [WaitEdge(**e) for e in t.get("waits_for", [])]})
-        for t in doc.get("tasks", [])
-    ]
+    fields["tasks"] = [_task_from_json(t) for t in doc.get("tasks", [])]
     fields["collectives"] = [Collective(**c) for c in doc.get("collectives", [])]
+    fields["event_loops"] = [_loop_from_json(loop) for loop in doc.get("event_loops", [])]
     facts = doc.get("role_facts")
     if facts:
         fields["role_facts"] = Role(**facts)
     elif "role_facts" not in doc:  # written before roles were data: read from its text
         fields["role_facts"] = Role.parse(doc.get("role", ""))
     return ProcessReport(**fields)
+
+
+def _loop_from_json(doc: dict[str, Any]) -> EventLoop:
+    tasks = [
+        AsyncTask(**{**t, "frames": [Frame(**f) for f in t.get("frames", [])]})
+        for t in doc.get("tasks", [])
+    ]
+    return EventLoop(**{**doc, "tasks": tasks})
+
+
+def _task_from_json(doc: dict[str, Any]) -> TaskWait:
+    fields = dict(doc)
+    fields["waits_for"] = [
+        WaitEdge(**e)
+        if "kind" in e  # else written before edges had kinds: read from its words
+        else WaitEdge(**e, kind=waits.edge_kind_from_text(e.get("pid", 0), e.get("via", "")))
+        for e in doc.get("waits_for", [])
+    ]
+    if "wait" in doc:
+        fields["wait"] = waits.from_json(doc["wait"])
+    else:  # written before waits were data: read from its text
+        vias = tuple(e.via for e in fields["waits_for"])
+        fields["wait"] = waits.from_text(doc.get("call", ""), doc.get("obj", ""), vias)
+    return TaskWait(**fields)
 
 
 def _cap(block: str, limit: int) -> str:
@@ -420,12 +552,52 @@ def _task_lines(task: TaskWait, roles: dict[int, str], indent: str, own_pid: int
     return out
 
 
-def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> list[str]:
+#: Processes named, with their roles, on the line of a folded group; the rest by pid only.
+MAX_NAMED = 8
+
+
+def _same_as(others: list[ProcessReport]) -> list[str]:
+    """The line under a group's one block: which other processes have the same stacks."""
+    if not others:
+        return []
+    named = ", ".join(f"pid {p.pid} [{p.role}]" for p in others[:MAX_NAMED])
+    rest = others[MAX_NAMED:]
+    if rest:
+        from .groups import MAX_BLOCK_PIDS, pid_list
+
+        pids = pid_list([p.pid for p in rest], MAX_BLOCK_PIDS)
+        named += f", and {len(rest)} more (pids {pids})"
+    return [f"    the same stacks, shown once: {named}"]
+
+
+def _frame_lines(frames: list[Frame]) -> list[str]:
+    from .groups import STARTUP_CUT, cut_startup
+
+    out = []
+    for frame in cut_startup(frames):
+        if frame.filename in ("<pytest>", "<pytest-torchhang>", STARTUP_CUT):
+            out.append(f"        {frame.name}")
+            continue
+        out.append(f'        File "{frame.filename}", line {frame.lineno}, in {frame.name}')
+        if frame.line:
+            out.append(f"            {frame.line}")
+    return out
+
+
+def _process_text(
+    proc: ProcessReport,
+    roles: dict[int, str] | None = None,
+    same: list[ProcessReport] | None = None,
+) -> list[str]:
+    """One process's block; ``same``: the processes with identical stacks it stands for."""
+    from .groups import is_plugin_thread, thread_key
+
     roles = roles or {}
     if proc.exit_status:
         return [
             f"--- process {proc.pid} [{proc.role}] parent {proc.ppid}, {proc.state}: "
             f"{proc.exit_status}, not reaped yet",
+            *_same_as(same or []),
             *_stderr_lines(proc.stderr_tail),
             "",
         ]
@@ -436,31 +608,44 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
         f"--- process {proc.pid} [{proc.role}] parent {proc.ppid}, {proc.state}, "
         f"cpu {proc.cpu_s:.2f}s{busy}, rss {mib:.0f} MiB, {proc.num_threads} threads, "
         f"age {proc.age_s:.1f}s",
+        *_same_as(same or []),
         f"    cmdline: {proc.cmdline[:300]}",
     ]
     if proc.dump_status != "ok":
         out.append(f"    ({proc.dump_status})")
-    for thread in proc.threads[:MAX_THREADS]:
+    ours = [t for t in proc.threads if is_plugin_thread(t)]
+    # Threads with the same stack (a queue feeder per DataLoader worker) are shown once.
+    alike: dict[object, list[ThreadStack]] = {}
+    for thread in proc.threads:
+        if thread not in ours:
+            alike.setdefault(thread_key(thread), []).append(thread)
+    for twins in list(alike.values())[:MAX_THREADS]:
+        thread = twins[0]
         role = proc.thread_roles.get(thread.ident, "")
         words = ["main thread" if thread.current else "thread", thread.ident]
         words += [f'"{thread.name}"'] if thread.name else []
         words += [f"[{role}]"] if role else []
-        out.append(f"    {' '.join(words)} (most recent call first):")
+        more = f", and {len(twins) - 1} more with the same stack" if len(twins) > 1 else ""
+        out.append(f"    {' '.join(words)} (most recent call first{more}):")
         if thread.ident in tasks:
             out.extend(_task_lines(tasks[thread.ident], roles, "      ", proc.pid))
         if not thread.frames:
             out.append("        <no Python frame>")
-        for frame in thread.frames:
-            if frame.filename in ("<pytest>", "<pytest-torchhang>"):
-                out.append(f"        {frame.name}")
-                continue
-            out.append(f'        File "{frame.filename}", line {frame.lineno}, in {frame.name}')
-            if frame.line:
-                out.append(f"            {frame.line}")
+        out.extend(_frame_lines(thread.frames))
         if thread.truncated:
             out.append("        ...")
-    if len(proc.threads) > MAX_THREADS:
-        out.append(f"    ... {len(proc.threads) - MAX_THREADS} more thread(s) not shown")
+        for loop in proc.event_loops:  # the tasks it runs, below the loop's select
+            if same_thread(loop.thread, thread.ident):
+                out.extend(_loop_lines(loop, proc))
+    if len(alike) > MAX_THREADS:
+        out.append(f"    ... {len(alike) - MAX_THREADS} more thread(s) not shown")
+    shown = [twins[0] for twins in list(alike.values())[:MAX_THREADS]]
+    for loop in proc.event_loops:
+        if not any(same_thread(loop.thread, t.ident) for t in shown):
+            out.extend(_loop_lines(loop, proc))
+    if ours:
+        names = ", ".join(proc.thread_roles.get(t.ident) or t.name or t.ident for t in ours)
+        out.append(f"    {len(ours)} thread(s) of pytest-torchhang itself, not shown: {names}")
     native = [
         t for t in proc.tasks if not t.python_thread and any(e.pid != proc.pid for e in t.waits_for)
     ]
@@ -478,8 +663,9 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
     if proc.collectives:
         out.append("    collectives (flight recorder, oldest first):")
         out.extend(
-            f"        {c.label()} {'completed' if c.completed else 'NOT COMPLETED'}"
-            + (f" [{c.group}]" if c.group else "")
+            f"        {c.label()}"
+            + (f" on process group {c.group!r}" if c.group else "")
+            + (" completed" if c.completed else " NOT COMPLETED")
             for c in proc.collectives
         )
     if proc.native:
@@ -487,6 +673,48 @@ def _process_text(proc: ProcessReport, roles: dict[int, str] | None = None) -> l
         out.extend(f"        {line}" for line in proc.native.splitlines())
     out.extend(_stderr_lines(proc.stderr_tail))
     out.append("")
+    return out
+
+
+def same_thread(a: str, b: str) -> bool:
+    """Thread idents compare as numbers (faulthandler pads them with zeros)."""
+    try:
+        return int(a, 16) == int(b, 16)
+    except ValueError:
+        return a == b
+
+
+#: Tasks shown per loop in the text (the JSON keeps all that were read).
+MAX_TASKS_SHOWN = 20
+
+
+def _loop_lines(loop: EventLoop, proc: ProcessReport) -> list[str]:
+    """A loop's pending tasks, each with its coroutine stack, as ``python -m asyncio pstree``."""
+    main = next((t.ident for t in proc.threads if t.current), "")
+    in_main = same_thread(loop.thread, main)
+    where = "main thread" if in_main else "thread"
+    where += f" {loop.thread}" if loop.thread else ""
+    where += f' "{loop.thread_name}"' if loop.thread_name and not in_main else ""
+    left = max(len(loop.tasks) - MAX_TASKS_SHOWN, 0) + loop.tasks_left_out
+    out = [
+        f"    asyncio loop in {where} ({loop.loop}), {len(loop.tasks) + loop.tasks_left_out} "
+        f"pending task(s); what could still wake it: {loop.wakers()}"
+    ]
+    for task in loop.tasks[:MAX_TASKS_SHOWN]:
+        awaits = f"awaits {task.awaited()}" if task.state != "running" else "is running"
+        if task.awaits == "gather" and task.awaits_tasks:
+            awaits += " of " + ", ".join(repr(name) for name in task.awaits_tasks)
+        awaits += f" [{task.detail}]" if task.detail else ""
+        awaits += ", with a timeout" if task.timed else ""
+        if task.state == "running":
+            awaits += " (the stack of its loop's thread shows where)"
+        out.append(f"      {task.label()} {awaits} (most recent call first):")
+        for frame in task.frames:
+            out.append(f'        File "{frame.filename}", line {frame.lineno}, in {frame.name}')
+            if frame.line:
+                out.append(f"            {frame.line}")
+    if left > 0:
+        out.append(f"      ... {left} more task(s) not shown")
     return out
 
 

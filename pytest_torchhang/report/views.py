@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from .groups import HELPERS
 from .model import HangReport, ProcessReport, TaskWait, WaitEdge
 
 #: Identical processes (same role but for its number, parent, stuck frame and waits) are drawn
@@ -48,7 +49,7 @@ STYLES = {
         'fillcolor="#f5f5f5", color="#9e9e9e", fontcolor="#616161"',
     ),
 }
-_HELPERS = ("resource_tracker", "forkserver", "torch_shm_manager", "zygote", "started before")
+_HELPERS = HELPERS
 
 
 @dataclass

@@ -7,11 +7,10 @@ import math
 import os
 import pickle
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from .. import devices
+from .. import clock, devices, settings
 from ..exceptions import add_note
 from . import client, jobs
 from .child import LINGER_ENV
@@ -92,12 +91,16 @@ class TorchHang:
                 or not isinstance(timeout, (int, float))
                 or not math.isfinite(timeout)
                 or timeout <= 0
+                or timeout > settings.MAX_SECONDS
             ):
-                raise ValueError(f"{name} must be a number of seconds > 0, got {timeout!r}")
+                raise ValueError(
+                    f"{name} must be a number of seconds > 0 and {settings.LONGEST}, "
+                    f"got {timeout!r}"
+                )
             return float(timeout)
         deadline = self._deadline()  # read now: the test's deadline may have moved
         if deadline is not None:
-            return max(deadline - time.monotonic() - MARGIN_S, 0.1)
+            return max(deadline - clock.monotonic() - MARGIN_S, 0.1)
         return DEFAULT_TIMEOUT_S
 
     @contextlib.contextmanager
@@ -295,7 +298,7 @@ class TorchHang:
     ) -> list[client.Child]:
         """One child per rank, each with its rank's environment (and leased GPU)."""
         gpus = self._gpus or []
-        store = os.path.join(the_runner.workdir, f"store-{os.getpid()}-{time.monotonic_ns()}")
+        store = os.path.join(the_runner.workdir, f"store-{os.getpid()}-{clock.monotonic_ns()}")
         # gloo would wait 30 minutes by default: bound it, just past our own deadline, so the
         # plugin (which reports every rank's stack) decides first.
         pg_timeout = seconds + 5.0

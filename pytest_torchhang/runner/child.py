@@ -15,11 +15,11 @@ import faulthandler
 import os
 import pickle
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from .. import clock
 from ..capture.kill import kill_tree
 from ..inject import beats, hook
 from ..processwide import become_subreaper, die_with_parent
@@ -91,6 +91,7 @@ def _arm_progress_and_stress() -> None:
     """What the start-up hook does in fresh interpreters, for this forked one: progress beats
     when the test has stall detection, the hunt's stress when asked for."""
     if os.environ.get(beats.PROGRESS_ENV):
+        beats.look_again()  # the zygote looked when it started, maybe in another test
         beats.install()
     if os.environ.get("PYTEST_TORCH_HANG_STRESS"):  # stress.STRESS_ENV: loaded only if set
         from ..inject import stress
@@ -151,7 +152,7 @@ def run_request(request_path: str) -> int:
     if not outcome.ok and linger:
         # A failed rank stays a moment, its connections open, so the parent can take the stacks
         # of the ranks still waiting for it in a collective before they notice it is gone.
-        time.sleep(min(float(linger), 30.0))
+        clock.sleep(min(float(linger), 30.0))
     if _has_children():
         kill_tree(os.getpid(), budget_s=3.0)  # whatever the job left running dies with it
     sys.stdout.flush()

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Any, ClassVar
 
 import psutil
 
-from .. import processwide
+from .. import clock, processwide
 from ..capture import pipeline
 from ..capture.tree import ProcessId, same_process
 from ..exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
@@ -117,9 +116,9 @@ class Zygote:
                 self.exits[int(pid)] = int(code)
 
     def _wait_for(self, done: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = clock.monotonic() + timeout
         while not done():
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock.monotonic()
             if remaining <= 0 or not self.alive():
                 raise RuntimeError(
                     f"the pytest-torchhang zygote did not manage {what} in {timeout:.0f}s"
@@ -174,7 +173,7 @@ class Child:
     mp_process: Any = None
     exitcode: int | None = None
     outcome: Outcome | None = None
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=clock.monotonic)
     ended: float = float("inf")
 
     @property
@@ -325,7 +324,7 @@ class Runner:
         if code is None:
             return False
         child.exitcode = code
-        child.ended = min(child.ended, time.monotonic())
+        child.ended = min(child.ended, clock.monotonic())
         self.peek(child)
         return True
 
@@ -337,7 +336,7 @@ class Runner:
                 open(child.result_path, "rb") as raw,
             ):
                 child.outcome = pickle.load(raw)
-                child.ended = min(child.ended, time.monotonic())
+                child.ended = min(child.ended, clock.monotonic())
         return child.outcome
 
     def failed(self, child: Child) -> bool:
@@ -410,22 +409,22 @@ def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error
 
     Returns the time left (<= 0: the deadline passed with children still running).
     """
-    deadline = time.monotonic() + timeout
+    deadline = clock.monotonic() + timeout
     delay = 0.001
     while True:
         running = [c for c in children if not runner.poll(c)]
         if not running:
-            return deadline - time.monotonic()
+            return deadline - clock.monotonic()
         if stop_on_error and any(runner.failed(c) for c in children):
-            return deadline - time.monotonic()
-        left = deadline - time.monotonic()
+            return deadline - clock.monotonic()
+        left = deadline - clock.monotonic()
         if left <= 0:
             return left
         zygote = runner.live_zygote()
         if zygote is not None and all(c.method == "zygote" for c in running):
             zygote.wait_event(min(0.05, left))  # returns as soon as the zygote reports an exit
         else:
-            time.sleep(min(delay, left))
+            clock.sleep(min(delay, left))
             delay = min(delay * 2, 0.02)
 
 
@@ -470,15 +469,13 @@ def stop(runner: Runner, children: list[Child]) -> None:
 
 
 def _reap(runner: Runner, children: list[Child]) -> None:
-    deadline = time.monotonic() + 2.0
+    # Polled on the plugin's clock: Popen.wait and Process.join count their timeouts on a clock
+    # a test may have frozen (freezegun replaces subprocess's bound monotonic; a monkeypatched
+    # time.monotonic stops multiprocessing's), and would then wait for ever.
+    deadline = clock.monotonic() + 2.0
     for child in children:
-        if child.popen is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
-        if child.mp_process is not None:
-            child.mp_process.join(timeout=max(deadline - time.monotonic(), 0.01))
-        while not runner.poll(child) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        while not runner.poll(child) and clock.monotonic() < deadline:
+            clock.sleep(0.005)
 
 
 def raise_outcome(runner: Runner, child: Child) -> Any:

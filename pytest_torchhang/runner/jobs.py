@@ -5,11 +5,11 @@ Imported by the parent too (to unpickle ``LoaderStats``), so torch is only impor
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from .. import clock
 from ..inject import hook
 
 
@@ -53,7 +53,7 @@ def iterate_loader(
     """Build the loader here, in the child, and time ``batches`` batches (all when None)."""
     loader = _loader(dataset_or_factory, multiprocessing_context, loader_kwargs)
     stats = LoaderStats()
-    start = last = time.perf_counter()
+    start = last = clock.perf_counter()
     iterator = iter(loader)
     workers = getattr(iterator, "_workers", [])
     stats.worker_pids = [w.pid for w in workers]
@@ -67,7 +67,7 @@ def iterate_loader(
 
             stats.start_method = multiprocessing.get_start_method()
     for _ in iterator:
-        now = time.perf_counter()
+        now = clock.perf_counter()
         stats.batch_times.append(now - last)
         if stats.first_batch_s is None:
             stats.first_batch_s = now - start
@@ -97,7 +97,7 @@ def rank_main(
         import torch
 
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES holds this rank's own GPU
-    since_ns = time.time_ns()  # flight-recorder entries older than this are not this group's
+    since_ns = clock.wall_ns()  # flight-recorder entries older than this are not this group's
     store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
     store.set_timeout(timedelta(seconds=init_timeout_s))
     dist.init_process_group(

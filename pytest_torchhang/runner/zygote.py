@@ -69,6 +69,9 @@ def main() -> int:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 request = line.decode()
+                # A child inherits this buffer, and flushes it into its own output file at its
+                # end: it must hold none of our lines (the last request's PID) when we fork.
+                events.flush()
                 pid = _fork(request)
                 children.add(pid)
                 events.write(f"PID {request} {pid}\n".encode())

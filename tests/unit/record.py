@@ -16,14 +16,19 @@ keeps the first report of each scenario named in ``CHOSEN``, written by the plug
 ``data/<scenario>.json``. Beside them, ``data/recording.json`` keeps what the diagnosis reads
 from the recording machine's disk rather than from the report (see ``replay`` in
 ``tests/unit/conftest.py``): the interpreter's stdlib directory, and the source lines of the
-test files and stdlib modules the reports' frames point into, up to the deepest line a frame
-names (the diagnosis reads lines up to a frame's line and no further). Check ``git diff --stat tests/unit/data`` afterwards: the set stays
+test files (whole: rules read what a test does after the line it waits on) and of the stdlib
+modules the reports' frames point into, up to the deepest line a frame names. Check ``git diff --stat tests/unit/data`` afterwards: the set stays
 under about 2 MB.
+
+``--only SCENARIO...`` records those scenarios of ``CHOSEN`` alone and keeps the other
+recordings: ``recording.json`` then gives each re-recorded scenario the digest of the diagnosis
+that recorded it (``digests``), and the exact replay compares each recording with its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import linecache
 import os
@@ -38,6 +43,21 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE.parent / "corpus"
 DATA = HERE / "data"
+VIEWS_DATA = HERE / "recorded_views"
+#: ``--view NAME``: real hangs kept for the views and the grouping of the text report, as
+#: ``recorded_views/NAME.json.gz``: (module of tests/ with the scenario, its constant, the test).
+VIEWS = {
+    "dataloader_one_stuck_of_four": (
+        "test_dataloader_hangs",
+        "ONE_STUCK_OF_FOUR",
+        "test_one_worker_of_four_hangs",
+    ),
+    "dataloader_three_stuck_one_idle": (
+        "test_dataloader_hangs",
+        "THREE_STUCK_ONE_IDLE",
+        "test_three_workers_of_four_deadlock",
+    ),
+}
 
 #: The scenarios kept, one or more per rule family (labels: tests/test_diagnosis_corpus.py).
 CHOSEN = (
@@ -68,6 +88,22 @@ CHOSEN = (
     "test_sharing_thread_join_while_holding_its_lock",
     "test_sharing_join_chain_back_to_the_test",
     "test_sharing_slow_supervisor_polling_healthy_children",
+    "test_sharing_popen_wait_with_a_full_stdout_pipe",
+    # classes of wait named in the user's words
+    "test_waits_semaphore_slots_leak_on_an_early_return",
+    "test_waits_threading_semaphore_slots_leak_on_an_early_return",
+    "test_waits_one_end_marker_for_two_consumers",
+    "test_waits_popen_wait_with_a_full_stderr_pipe",
+    "test_waits_spins_for_a_file_a_failed_producer_never_writes",
+    "test_waits_spins_on_a_shared_value_a_failed_producer_never_sets",
+    "test_waits_recv_from_a_server_that_accepted_and_never_answers",
+    "test_waits_fork_child_imports_a_module_a_parent_thread_was_importing",
+    "test_waits_join_chain_to_a_sentinel_sent_after_the_join",
+    "test_waits_two_consumers_iterate_to_a_sentinel_put_once",
+    "test_waits_recv_from_a_server_thread_of_the_test_that_never_answers",
+    "test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes",
+    "test_waits_fork_child_imports_by_name_a_module_a_parent_thread_was_importing",
+    "test_waits_semaphore_held_by_the_test_while_it_joins",
     # a stall: no progress for the stall time (tests/test_stall.py)
     "test_freezes_in_its_third_epoch",
     # gloo ranks
@@ -87,14 +123,26 @@ def _pytest(workdir: Path, *args: str) -> None:
     subprocess.run(command, cwd=workdir, timeout=1800, check=False)
 
 
-def run_sessions(workdir: Path, timeout: float) -> Path:
-    """Run the corpus and the stall in a fresh directory; the folder of the plugin's reports."""
+def _node_ids(names: list[str]) -> list[str]:
+    """The node ids of the corpus scenarios ``names``, as copied by :func:`run_sessions`."""
+    out = []
+    for source in sorted(CORPUS.glob("corpus_*.py")):
+        text = source.read_text()
+        out += [f"test_{source.stem}.py::{n}" for n in names if f"\ndef {n}(" in text]
+    return out
+
+
+def run_sessions(workdir: Path, timeout: float, only: list[str] | None = None) -> Path:
+    """Run the corpus and the stall in a fresh directory (``only``: those corpus scenarios, and
+    no stall); the folder of the plugin's reports."""
     (workdir / "pytest.ini").write_text("[pytest]\n")  # keep the repository's ini out of it
     corpus = []
     for source in sorted(CORPUS.glob("corpus_*.py")):
         corpus.append(f"test_{source.stem}.py")
         shutil.copy(source, workdir / corpus[-1])
-    _pytest(workdir, f"--torch-hang-timeout={timeout}", *corpus)
+    _pytest(workdir, f"--torch-hang-timeout={timeout}", *(_node_ids(only) if only else corpus))
+    if only:
+        return workdir / "reports"
     sys.path.insert(0, str(HERE.parent))  # the end-to-end stall test's scenario
     from test_stall import TRAINING
 
@@ -159,12 +207,39 @@ def sources(docs: list[dict[str, Any]]) -> dict[str, str]:
                     )
     read = read_by_diagnosis(docs)
     out = {}
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
     for name, lineno in sorted(deepest.items()):
         wanted = name in read or not (name.startswith("<") or "-packages" in name)
         if wanted and os.path.isfile(name):
             with open(name, encoding="utf-8", errors="replace") as source:
-                out[name] = "".join(source.readlines()[:lineno])
+                lines = source.readlines()
+            # the test's own files whole: rules read the lines after a frame's (what the test
+            # does after its join); library files up to the deepest line a frame names
+            own = not os.path.realpath(name).startswith(stdlib)
+            out[name] = "".join(lines if own else lines[:lineno])
     return out
+
+
+def record_view(name: str, timeout: float) -> int:
+    """Run one scenario of ``VIEWS`` in a real session and keep its report, gzipped, unedited."""
+    module, constant, test = VIEWS[name]
+    sys.path.insert(0, str(HERE.parent))
+    source = getattr(__import__(module), constant)
+    workdir = Path(tempfile.mkdtemp(prefix="torchhang-record-"))
+    try:
+        (workdir / "pytest.ini").write_text("[pytest]\n")
+        (workdir / "test_view.py").write_text(source)
+        _pytest(workdir, f"--torch-hang-timeout={timeout}", f"test_view.py::{test}")
+        found = first_reports(workdir / "reports")
+        if test not in found:
+            print(f"no hang report for {test}: nothing written", file=sys.stderr)
+            return 1
+        path = VIEWS_DATA / f"{name}.json.gz"
+        path.write_bytes(gzip.compress(found[test].read_bytes(), mtime=0))
+        print(f"wrote {path} ({path.stat().st_size / 1e3:.0f} kB)")
+        return 0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> int:
@@ -172,25 +247,47 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3.0, help="The corpus test's timeout")
     parser.add_argument("--keep", action="store_true", help="Keep the session's directory")
     parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="SCENARIO",
+        help="Record only these scenarios of CHOSEN (corpus scenarios), keeping the other "
+        "recordings; each recording keeps the digest of the diagnosis that recorded it",
+    )
+    parser.add_argument(
         "--session",
         type=Path,
         help="Curate from the directory a --keep run left (its reports and test files), "
         "without running the corpus again",
     )
+    parser.add_argument(
+        "--view",
+        choices=sorted(VIEWS),
+        help="Record only this scenario, into recorded_views/ (the corpus is left alone)",
+    )
     args = parser.parse_args()
+    if args.view:
+        return record_view(args.view, args.timeout)
     workdir = args.session or Path(tempfile.mkdtemp(prefix="torchhang-record-"))
     try:
-        reports = workdir / "reports" if args.session else run_sessions(workdir, args.timeout)
+        chosen = list(args.only or CHOSEN)
+        unknown = [name for name in chosen if name not in CHOSEN]
+        if unknown:
+            print(f"--only: {unknown} are not in CHOSEN (record.py)", file=sys.stderr)
+            return 2
+        reports = (
+            workdir / "reports" if args.session else run_sessions(workdir, args.timeout, args.only)
+        )
         found = first_reports(reports)
-        missing = [name for name in CHOSEN if name not in found]
+        missing = [name for name in chosen if name not in found]
         if missing:
             print(f"no hang report for {missing}: nothing written", file=sys.stderr)
             return 1
-        for old in DATA.glob("*.json"):
-            old.unlink()
+        if not args.only:
+            for old in DATA.glob("*.json"):
+                old.unlink()
         DATA.mkdir(exist_ok=True)
         total = 0
-        for name in CHOSEN:
+        for name in chosen:
             path = DATA / f"{name}.json"
             shutil.copyfile(found[name], path)  # as the plugin wrote it, byte for byte
             total += path.stat().st_size
@@ -199,17 +296,26 @@ def main() -> int:
         sys.path.insert(0, str(HERE))
         from conftest import diagnosis_digest
 
-        machine = {
-            # the replay checks for an exact match only while this is the diagnosis code
-            "diagnose_sha256": diagnosis_digest(),
-            "python": sys.version.split()[0],
-            "stdlib": os.path.realpath(sysconfig.get_paths()["stdlib"]),
-            "sources": sources([json.loads(found[name].read_text()) for name in CHOSEN]),
-        }
+        new_sources = sources([json.loads(found[name].read_text()) for name in chosen])
+        if args.only:  # the others keep their digest and the sources they were recorded with
+            machine = json.loads((DATA / "recording.json").read_text())
+            machine.setdefault("digests", {}).update(dict.fromkeys(chosen, diagnosis_digest()))
+            old_sources = machine["sources"]
+            for name, text in new_sources.items():  # a library file: the longer of the two
+                if len(text) > len(old_sources.get(name, "")):
+                    old_sources[name] = text
+        else:
+            machine = {
+                # the replay checks for an exact match only while this is the diagnosis code
+                "diagnose_sha256": diagnosis_digest(),
+                "python": sys.version.split()[0],
+                "stdlib": os.path.realpath(sysconfig.get_paths()["stdlib"]),
+                "sources": new_sources,
+            }
         path = DATA / "recording.json"
         path.write_text(json.dumps(machine, indent=1) + "\n")
         total += path.stat().st_size
-        print(f"wrote {len(CHOSEN)} reports, {total / 1e6:.2f} MB, to {DATA}")
+        print(f"wrote {len(chosen)} reports, {total / 1e6:.2f} MB, to {DATA}")
         return 0
     finally:
         if args.keep or args.session:

@@ -197,6 +197,42 @@ def test_pauses_nest_and_only_the_last_resume_restarts_the_clocks() -> None:
     assert fires == [Fired(24.0, Kind.HANG, Source.TIMEOUT)]
 
 
+def test_a_limit_set_during_a_pause_counts_from_the_pause_s_end() -> None:
+    # set at 5 (10 s) in a pause from 0 to 6: its clock stood still until 6, so it is due at 16
+    state = dl.start(0.0, {})
+    schedule: list[tuple[float, dl.Event]] = [
+        (0.0, dl.Pause()),
+        (5.0, dl.SetLimit(Source.PYTEST_TIMEOUT, 10.0)),
+        (6.0, dl.Resume()),
+    ]
+    _, fires, _ = simulate(state, schedule, until=60.0)
+    assert fires == [Fired(16.0, Kind.HANG, Source.PYTEST_TIMEOUT)]
+
+
+def test_a_limit_set_during_a_pause_races_an_earlier_one_on_equal_terms() -> None:
+    # the timeout (5 s from 0) had 4 s left at the pause (1 to 9); pytest-timeout's 3 s, set
+    # at 2 in that pause, counts from 9 too: due at 12, before the timeout's 13
+    state = dl.start(0.0, {Source.TIMEOUT: 5.0})
+    schedule: list[tuple[float, dl.Event]] = [
+        (1.0, dl.Pause()),
+        (2.0, dl.SetLimit(Source.PYTEST_TIMEOUT, 3.0)),
+        (9.0, dl.Resume()),
+    ]
+    _, fires, _ = simulate(state, schedule, until=60.0)
+    assert fires == [Fired(12.0, Kind.HANG, Source.PYTEST_TIMEOUT)]
+
+
+def test_a_grace_that_starts_during_a_pause_runs_from_the_pause_s_end() -> None:
+    # a fixture call hangs at 3, during a pause from 2 to 10: the grace (5 s) is due at 15
+    state = dl.start(0.0, {Source.TIMEOUT: 5.0})
+    state, _ = dl.decide(state, dl.CallStarted(1, 1.0), 0.5)
+    state, _ = dl.decide(state, dl.Pause(), 2.0)
+    state, _ = dl.decide(state, dl.CallEnded(1, hung=True), 3.0)
+    state, decision = dl.decide(state, dl.Resume(), 10.0)
+    assert state.phase is Phase.DELIVERED
+    assert decision == dl.Decision(None, 15.0)
+
+
 def test_a_resume_without_a_pause_changes_nothing() -> None:
     state = dl.start(0.0, {Source.TIMEOUT: 5.0})
     after, decision = dl.decide(state, dl.Resume(), 1.0)

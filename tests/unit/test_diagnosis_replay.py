@@ -19,7 +19,7 @@ from test_diagnosis_corpus import LABELS, Label, _label, _score
 from .conftest import RECORDED, Replay, diagnosis_digest, recorded_ids
 
 if TYPE_CHECKING:
-    from pytest_torchhang.report.model import Hint
+    from pytest_torchhang.report.model import Hint, TaskWait
 
 #: Recordings from outside the corpus, with what they must be told.
 OTHER_LABELS: dict[str, Label] = {
@@ -67,6 +67,13 @@ def test_the_recordings_cover_every_rule_family() -> None:
         "collectives",
         "fifo",
         "unpicklable_batch",
+        "leaked_slots",
+        "end_marker",
+        "full_pipe",
+        "poll_dead",
+        "no_answer",
+        "import_lock_at_fork",
+        "join_cycle",
     }
     assert len(RECORDED) >= 15
 
@@ -75,7 +82,10 @@ def test_the_recordings_cover_every_rule_family() -> None:
 def test_the_replay_gives_what_the_capture_gave(path: Path, replay: Replay) -> None:
     """While the diagnosis code is the one that recorded, the replay must reproduce the
     recorded hints and headline exactly: the recording holds everything the rules read."""
-    if replay.machine["diagnose_sha256"] != diagnosis_digest():
+    recorded_by = replay.machine.get("digests", {}).get(
+        path.stem, replay.machine["diagnose_sha256"]
+    )
+    if recorded_by != diagnosis_digest():
         pytest.skip("the diagnosis changed since the recording: re-record to compare exactly")
     report = replay.load(path)
     assert [asdict(h) for h in replay.hints(report)] == [asdict(h) for h in report.hints]
@@ -163,3 +173,162 @@ def test_a_batch_that_cannot_be_pickled_cites_the_workers_stderr_as_evidence(
         line.endswith("stderr: TypeError: cannot pickle '_thread.lock' object")
         for line in hint.based_on
     ), hint.based_on
+
+
+# --- classes of wait, named in the user's words (tests/corpus/corpus_waits.py) ---
+
+
+def _one(name: str, rule: str, replay: Replay) -> Hint:
+    hints = [h for h in _recorded_hints(name, replay) if h.rule == rule]
+    assert len(hints) == 1, [h.rule for h in _recorded_hints(name, replay)]
+    return hints[0]
+
+
+def test_leaked_multiprocessing_semaphore_slots_are_named_with_the_count_read_from_it(
+    replay: Replay,
+) -> None:
+    hint = _one("test_waits_semaphore_slots_leak_on_an_early_return", "leaked_slots", replay)
+    assert "slots.acquire()" in hint.text and "Lock.acquire()" not in hint.text
+    assert "multiprocessing semaphore" in hint.text
+    assert "its count is 0 (read from the semaphore)" in hint.text
+    assert "created (by its name) as a BoundedSemaphore at test_corpus_waits.py:" in hint.text
+    assert "`slots = FORK.BoundedSemaphore(2)`" in hint.text
+    assert "holds no acquire of it" in hint.text and "`with slots:`" in hint.text
+
+
+def test_leaked_threading_semaphore_slots_are_named_from_the_threads_that_wait(
+    replay: Replay,
+) -> None:
+    hint = _one(
+        "test_waits_threading_semaphore_slots_leak_on_an_early_return", "leaked_slots", replay
+    )
+    assert "threading Semaphore or BoundedSemaphore" in hint.text
+    assert "`slots = threading.BoundedSemaphore(2)`" in hint.text
+    assert "its count is 0" in hint.text and "slots leaked" in hint.text
+
+
+def test_the_wait_objects_of_a_new_recording_are_data(replay: Replay) -> None:
+    from pytest_torchhang.report.waits import HOLDS_READ_END, MAPS, Pipe, Semaphore, Socket
+
+    def tasks(name: str) -> list[TaskWait]:
+        (path,) = [p for p in RECORDED if p.stem == name]
+        return [t for p in replay.load(path).processes for t in p.tasks]
+
+    sems = [
+        t.wait
+        for t in tasks("test_waits_semaphore_slots_leak_on_an_early_return")
+        if isinstance(t.wait, Semaphore)
+    ]
+    assert sems and all(s.value == 0 for s in sems)
+    writer = next(
+        t for t in tasks("test_waits_popen_wait_with_a_full_stderr_pipe") if t.call == "write"
+    )
+    assert isinstance(writer.wait, Pipe) and writer.wait.fd == 2
+    assert [e.kind for e in writer.waits_for] == [HOLDS_READ_END]
+    sockets = [
+        t.wait
+        for t in tasks("test_waits_recv_from_a_server_that_accepted_and_never_answers")
+        if isinstance(t.wait, Socket)
+    ]
+    client = next(s for s in sockets if s.remote)
+    assert any(s.listening and s.local == client.remote for s in sockets)
+    leaked = tasks("test_waits_semaphore_slots_leak_on_an_early_return")
+    assert any(e.kind == MAPS for t in leaked for e in t.waits_for)
+
+
+def test_one_end_marker_for_two_consumers_names_the_marker_and_the_empty_queue(
+    replay: Replay,
+) -> None:
+    hint = _one("test_waits_one_end_marker_for_two_consumers", "end_marker", replay)
+    assert "`if item is None:`" in hint.text and "the queue is empty" in hint.text
+    assert "put one marker per consumer" in hint.text
+
+
+def test_a_child_on_a_full_pipe_is_told_to_be_read_with_communicate(replay: Replay) -> None:
+    for name, stream in (
+        ("test_sharing_popen_wait_with_a_full_stdout_pipe", "stdout"),
+        ("test_waits_popen_wait_with_a_full_stderr_pipe", "stderr"),
+    ):
+        hint = _one(name, "full_pipe", replay)
+        assert f"blocked writing to its {stream}" in hint.text
+        assert "wchan anon_pipe_write" in hint.text and "Popen.wait()" in hint.text
+        assert "communicate()" in hint.text
+    (hint,) = [
+        h
+        for h in _recorded_hints("test_waits_popen_wait_with_a_full_stderr_pipe", replay)
+        if h.rule != "none"
+    ]  # the graph's deadlock is not said beside it
+
+
+def test_a_poll_loop_is_joined_with_the_producer_that_exited(replay: Replay) -> None:
+    for name, polled, line in (
+        (
+            "test_waits_spins_for_a_file_a_failed_producer_never_writes",
+            "a file's existence",
+            "os.path.exists(flag)",
+        ),
+        (
+            "test_waits_spins_on_a_shared_value_a_failed_producer_never_sets",
+            "a shared Value",
+            "counter.value < 2",
+        ),
+    ):
+        hints = _recorded_hints(name, replay)
+        hint = _one(name, "poll_dead", replay)
+        assert f"polls {polled}" in hint.text and line in hint.text
+        assert "exited with code 1" in hint.text
+        assert "busy" not in [h.rule for h in hints]  # not told apart as "computing"
+    hint = _one("test_waits_spins_for_a_file_a_failed_producer_never_writes", "poll_dead", replay)
+    assert "ValueError: no data to write" in hint.text
+
+
+def test_a_read_from_a_server_that_never_answers_names_the_server_and_the_missing_timeout(
+    replay: Replay,
+) -> None:
+    name = "test_waits_recv_from_a_server_that_accepted_and_never_answers"
+    hint = _one(name, "no_answer", replay)
+    (path,) = [p for p in RECORDED if p.stem == name]
+    report = replay.load(path)
+    client = next(
+        t.wait
+        for p in report.processes
+        for t in p.tasks
+        if t.call == "recvfrom" and t.wait is not None
+    )
+    assert f"the server at {client.remote}" in hint.text  # type: ignore[union-attr]
+    assert "accepted the connection and never answered" in hint.text
+    assert "with no timeout" in hint.text and "settimeout" in hint.text
+    assert "target=_service" in hint.text and "accept" in hint.text
+
+
+def test_a_fork_child_on_an_import_lock_is_not_told_it_is_still_starting(
+    replay: Replay,
+) -> None:
+    name = "test_waits_fork_child_imports_a_module_a_parent_thread_was_importing"
+    hints = _recorded_hints(name, replay)
+    assert [h.rule for h in hints] == ["import_lock_at_fork"]
+    (hint,) = hints
+    assert "`import torchhang_corpus_slow_module`" in hint.text
+    assert "thread 'Thread-4 (_import_the_slow_module)'" in hint.text
+    assert "before the workers start" in hint.text and "spawn" in hint.text
+
+
+def test_a_chain_of_joins_is_named_to_its_end_with_the_sentinel_sent_after_the_join(
+    replay: Replay,
+) -> None:
+    for name, sent in (
+        ("test_waits_join_chain_to_a_sentinel_sent_after_the_join", "`queue.put(None)`"),
+        ("test_sharing_join_chain_back_to_the_test", '`os.write(write_fd, b"x")`'),
+    ):
+        hint = _one(name, "join_cycle", replay)
+        assert "a cycle of waits through 3 processes: pytest" in hint.text
+        assert hint.text.count(" -> ") == 2 and len(hint.pids) == 3
+        assert "sends it only after its join: line" in hint.text and sent in hint.text
+
+
+def test_a_semaphore_the_test_holds_across_its_join_is_not_called_leaked(replay: Replay) -> None:
+    name = "test_waits_semaphore_held_by_the_test_while_it_joins"
+    hints = _recorded_hints(name, replay)
+    assert "leaked_slots" not in [h.rule for h in hints]
+    hint = _one(name, "join_cycle", replay)
+    assert "holds it across its join: line" in hint.text and "`with slots:`" in hint.text

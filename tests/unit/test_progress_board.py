@@ -28,8 +28,10 @@ def boards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     names none (as the session leaves it between tests)."""
     monkeypatch.delenv(beats.PROGRESS_ENV, raising=False)
     monkeypatch.setattr(beats._Board, "failures", [])
+    monkeypatch.setattr(beats._Board, "looked", None)
     yield tmp_path
     beats.detach()
+    beats.end_session(str(tmp_path))  # as the session's end does
 
 
 def clock(*seconds: float) -> Callable[[], int]:
@@ -283,9 +285,11 @@ def test_a_new_board_is_not_fed_by_a_process_attached_to_the_previous_one(boards
         wait_for(lambda: watching.snapshot().counts[EXPLICIT] >= 100, "the child's beats")
         beats.end_board(first)
         assert not os.path.exists(first.path)
-        assert beats.PROGRESS_ENV not in os.environ
+        pointer = os.environ[beats.PROGRESS_ENV]  # set once: it names the session's pointer
+        assert not os.path.lexists(pointer)  # which names no board between tests
         second = beats.new_board(str(boards), 2)
-        assert os.environ[beats.PROGRESS_ENV] == second.path != first.path
+        assert os.environ[beats.PROGRESS_ENV] == pointer
+        assert os.path.realpath(pointer) == os.path.realpath(second.path) != first.path
         after = watching.snapshot().counts[EXPLICIT]
         wait_for(
             lambda: watching.snapshot().counts[EXPLICIT] >= after + 1000,
@@ -370,3 +374,49 @@ def test_a_patch_that_fails_is_noted_for_the_report_in_every_process(
         assert "DataLoader batches do not count as progress in this process" in text
         assert "could not patch torch.optim.optimizer" in text
         assert "optimizer steps do not count as progress" in text
+
+
+def test_the_environment_is_set_once_a_session_not_once_a_test(
+    boards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A setenv per test races the native threads (OpenMP, CUDA) that read the environment."""
+    writes: list[str] = []
+    real_setitem = type(os.environ).__setitem__
+
+    def setitem(env: os._Environ[str], key: str, value: str) -> None:
+        writes.append(key)
+        real_setitem(env, key, value)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(type(os.environ), "__setitem__", setitem)
+        for serial in range(1, 4):
+            beats.end_board(beats.new_board(str(boards), serial))
+    assert writes == [beats.PROGRESS_ENV]
+    beats.end_session(str(boards))
+    assert beats.PROGRESS_ENV not in os.environ
+
+
+def test_a_process_that_found_no_board_never_joins_a_later_test_s(boards: Path) -> None:
+    beats.end_board(beats.new_board(str(boards), 1))
+    go_r, go_w = os.pipe()
+
+    def between_tests() -> None:  # started between two tests, left running into the next
+        assert not beats.attach()  # it looks: the pointer names no board now
+        os.read(go_r, 1)  # the next test has begun
+        beats.progress("from a process an earlier test left")
+        beats.beat(EXPLICIT)
+
+    left = fork(between_tests)
+    try:
+        second = beats.new_board(str(boards), 2)
+    finally:
+        os.write(go_w, b"x")
+    try:
+        assert os.waitstatus_to_exitcode(reap(left)) == 0
+        assert second.snapshot().counts == [0, 0, 0, 0]
+        beats.progress("from this test")  # this process's own new test: it looked again
+        assert second.snapshot().counts[EXPLICIT] == 1
+    finally:
+        beats.end_board(second)
+        os.close(go_r)
+        os.close(go_w)

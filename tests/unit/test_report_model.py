@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,12 +18,26 @@ def _doc(path: Path) -> dict[str, object]:
     return doc
 
 
+def _without_wait_data(written: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    """``written`` without the wait objects and edge kinds that ``doc``, written before waits
+    were data, lacks (a reader makes them from its text: they are new, not changed, facts)."""
+    out = json.loads(json.dumps(written))
+    for proc, old in zip(out["processes"], doc["processes"], strict=True):
+        for task, old_task in zip(proc["tasks"], old["tasks"], strict=True):
+            if "wait" not in old_task:
+                del task["wait"]
+            for edge, old_edge in zip(task["waits_for"], old_task["waits_for"], strict=True):
+                if "kind" not in old_edge:
+                    del edge["kind"]
+    return out  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize("path", RECORDED, ids=recorded_ids(RECORDED))
 def test_a_recorded_report_survives_the_round_trip(path: Path) -> None:
     doc = _doc(path)
     report = HangReport.from_json(doc)
     written = report.to_json()
-    assert written == doc
+    assert _without_wait_data(written, doc) == doc
     assert all(p["role_facts"] is not None for p in written["processes"])
     again = HangReport.from_json(json.loads(json.dumps(report.to_json())))
     assert again == report

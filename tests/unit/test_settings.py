@@ -160,6 +160,37 @@ def test_a_bad_environment_value_is_a_usage_error_naming_the_variable(
     assert message.endswith(f"got {value!r}")
 
 
+TOO_LONG = "must be at most 1e9 seconds (about 31 years)"
+
+
+@pytest.mark.parametrize("value", ["1e10", "9.3e9", "1000000001"])
+@pytest.mark.parametrize("where", ["cli", "ini", "env"])
+@pytest.mark.parametrize(
+    "names",
+    [
+        (settings.TIMEOUT_OPTION, settings.TIMEOUT_INI, settings.TIMEOUT_ENV),
+        (settings.STALL_OPTION, settings.STALL_INI, settings.STALL_ENV),
+    ],
+)
+def test_a_timeout_too_long_for_a_timed_wait_is_a_usage_error_wherever_it_is_given(
+    pytester: pytest.Pytester, names: tuple[str, str, str], where: str, value: str
+) -> None:
+    option, ini, env = names
+    if where == "cli":
+        message, source = _usage_error(pytester, f"{option}={value}"), option
+    elif where == "ini":
+        message, source = _usage_error(pytester, ini={ini: value}), f"ini option {ini}"
+    else:
+        message, source = _usage_error(pytester, env={env: value}), f"environment variable {env}"
+    assert message.startswith(f"{source} {TOO_LONG}")
+    assert message.endswith(f"got {value!r}")
+
+
+def test_the_longest_timeout_accepted_is_1e9_seconds(pytester: pytest.Pytester) -> None:
+    got = _settings(pytester, f"{settings.TIMEOUT_OPTION}=1e9", f"{settings.STALL_OPTION}=1e9")
+    assert (got.timeout, got.stall) == (1e9, 1e9)
+
+
 def test_a_bad_lower_source_is_an_error_even_when_a_higher_one_wins(
     pytester: pytest.Pytester,
 ) -> None:
@@ -233,6 +264,8 @@ def test_the_marker_wins_over_the_session(
         ("timeout=-1", "timeout must be a finite number of seconds >= 0"),
         ("timeout=float('nan')", "timeout must be a finite number"),
         ("stall=-2", "stall must be a finite number of seconds >= 0 (0 turns stall detection"),
+        ("timeout=1e11", "timeout must be at most 1e9 seconds (about 31 years); 0 turns the"),
+        ("stall=1e10", "stall must be at most 1e9 seconds (about 31 years); 0 turns stall"),
         ("bogus=1", "takes (timeout=None, stall=None, isolate=False), got args=() kwargs="),
         ("1, 2", "takes (timeout=None, stall=None, isolate=False), got args=(1, 2)"),
         ("1, timeout=2", "timeout given twice (positionally 1 and as timeout=2)"),
@@ -297,6 +330,38 @@ def test_a_report_dir_that_is_a_file_is_a_usage_error_naming_its_source(
         f"{source} must be a directory (created if missing), got 'taken.txt' "
         f"({pytester.path / 'taken.txt'}), which is a file"
     )
+
+
+@pytest.mark.parametrize("where", ["cli", "ini"])
+def test_a_report_dir_under_a_file_is_a_usage_error_at_start(
+    pytester: pytest.Pytester, where: str
+) -> None:
+    taken = pytester.makefile(".txt", taken="not a directory")
+    given = "taken.txt/hangs/deeper"
+    if where == "cli":
+        message = _usage_error(pytester, f"{settings.REPORT_DIR_OPTION}={given}")
+        source = settings.REPORT_DIR_OPTION
+    else:
+        message = _usage_error(pytester, ini={settings.REPORT_DIR_INI: given})
+        source = f"ini option {settings.REPORT_DIR_INI}"
+    assert message == (
+        f"{source} must be a directory (created if missing), got {given!r} "
+        f"({pytester.path / given}), but {taken} is a file"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any directory")
+def test_a_report_dir_nobody_may_create_is_a_usage_error_at_start(
+    pytester: pytest.Pytester,
+) -> None:
+    locked = pytester.mkdir("locked")
+    locked.chmod(0o500)
+    try:
+        message = _usage_error(pytester, f"{settings.REPORT_DIR_OPTION}=locked/hangs")
+    finally:
+        locked.chmod(0o700)
+    assert message.startswith(f"{settings.REPORT_DIR_OPTION} must be a directory pytest may")
+    assert message.endswith(f"which cannot be created in {locked}: choose another directory")
 
 
 def test_a_missing_report_dir_is_fine_and_not_created_at_start(

@@ -6,7 +6,8 @@ import linecache
 import os
 import re
 
-from ...report.model import Frame, Hint, ProcessReport
+from ...report.model import Frame, Hint, ProcessReport, TaskWait
+from ...report.waits import Futex, Semaphore
 from ..frames import (
     all_frames,
     fork_parent,
@@ -182,6 +183,12 @@ def _taken_twice(frame: Frame) -> bool:
     return False
 
 
+def _shared(task: TaskWait) -> bool:
+    """The thread waits on a lock in shared memory (a multiprocessing one), not its own."""
+    wait = task.wait
+    return isinstance(wait, Semaphore) or (isinstance(wait, Futex) and "/dev/shm/" in wait.path)
+
+
 def hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
     """DataLoader workers waiting for a lock: held by a thread at fork, or taken twice."""
     by_pid = {p.pid: p for p in procs}
@@ -193,7 +200,7 @@ def hint_worker_lock(procs: list[ProcessReport]) -> list[Hint]:
         if has_frame(proc, "multiprocessing/managers.py", "_callmethod"):
             continue  # a Manager lock: the Manager rule explains it
         task = main_task(proc)
-        if task is not None and task.call and ("/dev/shm/" in task.obj or task.call != "futex"):
+        if task is not None and task.call and (_shared(task) or task.call != "futex"):
             continue  # a lock shared between processes (or no lock at all): the graph tells
         frame = innermost(
             proc,

@@ -1,20 +1,33 @@
 """Rules read from the wait-for graph: stopped, dead, deadlock, nothing can release, sleeper,
-outside peer, busy."""
+outside peer, a poll loop whose producer failed, a server that never answers, busy."""
 
 from __future__ import annotations
 
+import linecache
 import re
 
-from ...report.model import Hint, ProcessReport, TaskWait
-from ..frames import collective_of, fork_parent, frame_collective, located, main_thread, primitive
+from ...report.model import Frame, Hint, ProcessReport, TaskWait
+from ...report.waits import HOLDS_WRITE_END, LISTENING, NOBODY, OUTSIDE, SOCKET_PEER, Futex, Socket
+from ..frames import (
+    collective_of,
+    fork_parent,
+    frame_collective,
+    is_library,
+    located,
+    main_thread,
+    primitive,
+)
 from ..graph import (
     READS,
+    SLEEP_CALLS,
     blocked_line,
+    code,
     components,
     doing,
     edge_lines,
     edges_to,
     find_knot,
+    ignored,
     main_task,
     task_thread,
     wait_kind,
@@ -97,10 +110,11 @@ def hint_dead(procs: list[ProcessReport]) -> list[Hint]:
 
 
 def _why_alone(proc: ProcessReport, task: TaskWait | None, name: str, forked: bool) -> str:
-    vias = " ".join(e.via for e in task.waits_for) if task else ""
-    if "no other thread" in vias:
+    edges = task.waits_for if task else []
+    private = task is not None and isinstance(task.wait, Futex) and task.wait.private
+    if private and any(e.kind == NOBODY for e in edges):
         reason = f"it is the only thread of its process{' (threads are not copied by fork)' if forked else ''}"
-    elif "own copy" in vias:
+    elif any(e.kind == HOLDS_WRITE_END and e.pid == proc.pid for e in edges):
         reason = "the only write end of the pipe it reads is its own"
     else:
         reason = "every other thread of its process waits too"
@@ -230,11 +244,17 @@ def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
         task = main_task(proc)
         if task is None or task.call not in READS or (is_rank(proc) or is_helper(proc)):
             continue
-        outside = [e for e in task.waits_for if e.pid == -1 and "socket" in e.via]
-        if not outside or any(e.pid > 0 for e in task.waits_for):
+        outside = [e for e in task.waits_for if e.kind in (OUTSIDE, LISTENING)]
+        if (
+            not isinstance(task.wait, Socket)
+            or not outside
+            or any(e.pid > 0 for e in task.waits_for)
+        ):
             continue
         name, frame = primitive(task_thread(proc, task))
-        hits.append(f"{who(proc)} in {name or task.call}{located(frame)}")
+        peer = f" from {task.wait.remote}" if task.wait.remote else ""
+        untimed = "" if task.timed else ", with no timeout"
+        hits.append(f"{who(proc)} in {name or task.call}{located(frame)}{peer}{untimed}")
         based.append(f"{who(proc)} blocked in {task.summary()}: {outside[0].via}")
         pids.append(proc.pid)
     if not hits:
@@ -253,7 +273,8 @@ def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
 
 def hint_busy(procs: list[ProcessReport], explained: set[int] | None = None) -> list[Hint]:
     """Processes that used CPU during the capture, and who waits for them."""
-    busy = [p for p in procs if p.busy and p.pid not in (explained or set())]
+    polling = {p.pid for p in procs if _producer_gone(p, procs)}  # hint_poll_dead tells them
+    busy = [p for p in procs if p.busy and p.pid not in (explained or set()) | polling]
     if not busy:
         return []
     waiting = [(b, edges_to(procs, b.pid)) for b in busy]
@@ -273,3 +294,187 @@ def hint_busy(procs: list[ProcessReport], explained: set[int] | None = None) -> 
             pids=[p.pid for p in busy],
         )
     ]
+
+
+#: What a polling loop's condition reads, by the call in it, in the user's words.
+_POLLED = (
+    (
+        re.compile(r"\bos\.path\.(exists|isfile|isdir)\(|\.(exists|is_file|is_dir)\(\)"),
+        "a file's existence",
+    ),
+    (re.compile(r"\.value\b"), "a shared Value"),
+    (re.compile(r"\.(empty|qsize)\(\)"), "a queue (queue.empty())"),
+    (re.compile(r"\.is_set\(\)"), "an Event (event.is_set())"),
+    (re.compile(r"\.poll\(\)"), "a child or a connection (poll())"),
+)
+
+
+def _polls(proc: ProcessReport) -> tuple[str, Frame] | None:
+    """(what it polls, the loop's ``while`` line) of a process in a polling loop: spinning on
+    the ``while`` line, or sleeping in the loop's body between two looks."""
+    thread = main_thread(proc)
+    frames = thread.frames if thread else []
+    frame = next((f for f in frames if not is_library(f) and not f.filename.startswith("<")), None)
+    if frame is None:
+        return None
+    if not frame.line.startswith("while "):
+        task = main_task(proc)
+        if not (task is not None and task.call in SLEEP_CALLS and "sleep(" in frame.line):
+            return None
+        head = _loop_head(frame)
+        if head is None:
+            return None
+        frame = head
+    return next(((what, frame) for pattern, what in _POLLED if pattern.search(frame.line)), None)
+
+
+def _loop_head(frame: Frame) -> Frame | None:
+    """The ``while`` line of the loop whose body holds ``frame``'s line, up to 3 lines above."""
+    lines = linecache.getlines(frame.filename)[: frame.lineno]
+    if not lines:
+        return None
+    indent = len(lines[-1]) - len(lines[-1].lstrip())
+    for number in range(len(lines) - 1, max(len(lines) - 4, 0), -1):
+        text = lines[number - 1]
+        depth = len(text) - len(text.lstrip())
+        if text.strip() and depth < indent:
+            if text.strip().startswith("while "):
+                return Frame(frame.filename, number, frame.name, text.strip())
+            return None
+    return None
+
+
+def _producer_gone(
+    proc: ProcessReport, procs: list[ProcessReport]
+) -> tuple[str, Frame, list[ProcessReport]] | None:
+    """(what it polls, the loop's frame, the exited children) of a busy process spinning in a
+    polling loop while a child of it (or a sibling) has exited: nothing else says it will not
+    come (a loop without such a child may just be slow)."""
+    task = main_task(proc)
+    sleeps = task is not None and task.call in SLEEP_CALLS
+    found = _polls(proc) if _spins(proc) or sleeps else None
+    if found is None:
+        return None
+    dead = [p for p in procs if _failed(p) and p.ppid in (proc.pid, proc.ppid) and p is not proc]
+    # a live process of the test that runs could still make it: then the loop may just wait
+    working = [
+        p
+        for p in procs
+        if p is not proc and not p.exit_status and not is_helper(p) and (p.busy or _runs(p))
+    ]
+    return (*found, dead) if dead and not working else None
+
+
+def _spins(proc: ProcessReport) -> bool:
+    """The process used CPU during the capture, or its main thread was running when read (on
+    a loaded machine a spinner may get too little CPU in the sample to be called busy)."""
+    task = main_task(proc)
+    return proc.busy or (task is not None and (task.call == "running" or task.state == "R"))
+
+
+def _failed(proc: ProcessReport) -> bool:
+    """The process is gone with an error: a non-zero exit code, or killed by a signal."""
+    return bool(proc.exit_status) and proc.exit_status != "exited with code 0"
+
+
+def _runs(proc: ProcessReport) -> bool:
+    return any(t.call == "running" or t.state == "R" for t in proc.tasks if not ignored(proc, t))
+
+
+def hint_poll_dead(procs: list[ProcessReport]) -> list[Hint]:
+    """A process spins polling for something (a file, a Value, a queue) that the child meant to
+    make it exited without making."""
+    hints = []
+    for proc in procs:
+        found = _producer_gone(proc, procs)
+        if found is None:
+            continue
+        what, frame, dead = found
+        errors = [
+            f"{who(p)}'s stderr ends: {p.stderr_tail[-1].strip()}"
+            for p in dead
+            if p.stderr_tail and p.stderr_tail[-1].strip()
+        ]
+        hints.append(
+            Hint(
+                f"{who(proc)} "
+                + (
+                    f"spins (+{proc.cpu_delta_s:.2f}s CPU during the capture)"
+                    if proc.busy
+                    else "spins (it was running when the capture read it)"
+                    if _spins(proc)
+                    else "sleeps between looks"
+                )
+                + f" in a loop that polls {what}{located(frame)}: `{code(frame.line)}`, and the child that was to "
+                "make it is gone: "
+                + "; ".join(f"{who(p)} {p.exit_status}" for p in dead)
+                + ("; " + "; ".join(errors) if errors else "")
+                + ". No other process of the test runs: what it polls for will never come. Check the producer's exit (join it and read exitcode, "
+                "or wait on something it sets) and give the loop a deadline instead of polling "
+                "forever.",
+                [
+                    f"{who(proc)} +{proc.cpu_delta_s:.2f}s CPU, {proc.state}, at "
+                    f"{frame.filename}:{frame.lineno}"
+                ]
+                + [f"pid {p.pid} is a zombie: {p.exit_status}" for p in dead],
+                rule="poll_dead",
+                pids=[proc.pid],  # the exited children keep their own fact (hint_dead)
+            )
+        )
+    return hints
+
+
+def _serving_thread(server: ProcessReport, address: str) -> str:
+    """The thread of ``server`` that waits for connections on ``address``, in words."""
+    for task in server.tasks:
+        if isinstance(task.wait, Socket) and task.wait.listening and task.wait.local == address:
+            thread = task_thread(server, task)
+            name, frame = primitive(thread)
+            label = f"thread {thread.name!r}" if thread and thread.name else f"thread {task.tid}"
+            return (
+                f"{label} of {who(server)}, which waits in {name or task.call}{located(frame)} "
+                "for the next client"
+            )
+    return who(server)
+
+
+def hint_no_answer(procs: list[ProcessReport]) -> list[Hint]:
+    """A blocking read (no timeout) on a TCP connection to a server of the tree that accepted
+    the request and does not answer."""
+    by_pid = {p.pid: p for p in procs}
+    hints = []
+    for proc in procs:
+        task = main_task(proc)
+        if task is None or task.call not in READS or task.timed or is_rank(proc) or is_helper(proc):
+            continue
+        sock = task.wait
+        if not isinstance(sock, Socket) or sock.family != "tcp" or not sock.remote:
+            continue
+        peers = {e.pid for e in task.waits_for if e.kind == SOCKET_PEER}
+        if len(peers) != 1 or next(iter(peers)) not in by_pid:
+            continue  # a server of the tree holds the other end (a thread of this one, maybe)
+        server = by_pid[next(iter(peers))]
+        others = [t for t in server.tasks if t is not task and not ignored(server, t)]
+        if server.exit_status or any(t.call == "running" or t.state == "R" for t in others):
+            continue  # it may be computing the answer
+        if server is not proc and server.busy:
+            continue
+        name, frame = primitive(task_thread(proc, task))
+        hints.append(
+            Hint(
+                f"{who(proc)} waits for an answer in {name or task.call}{located(frame)} on a "
+                f"connection to {sock.remote}, with no timeout (the socket blocks in "
+                f"{task.call} itself): the server at {sock.remote}, served by "
+                f"{_serving_thread(server, sock.remote)}, accepted the connection and never "
+                "answered, and nothing in it is working on an answer. Pass a timeout "
+                "(socket.create_connection(..., timeout=...), sock.settimeout(), "
+                "requests' timeout=), and find why the server does not reply.",
+                [
+                    f"{who(proc)} blocked in {task.summary()}: {sock.local} -> {sock.remote}",
+                    blocked_line(server),
+                ],
+                rule="no_answer",
+                pids=[proc.pid, server.pid],
+            )
+        )
+    return hints

@@ -1,0 +1,250 @@
+"""asyncio hangs (pytest-asyncio): each pending task's coroutine stack in the report, a hint that
+says nothing will end the wait only when nothing can, and a session that goes on."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncio_scenarios import (
+    BLOCKED,
+    CHILD,
+    EVENT,
+    FIXTURE,
+    GATHER_LOCK,
+    INI,
+    MODULE_LOOP,
+    OTHER_THREAD,
+    QUEUE,
+    SYNC_RUN,
+    TIMED,
+)
+from conftest import GuardedRunner, Session, assert_hang
+
+#: Inner sessions without pytest-rerunfailures' server thread, which could end any wait.
+ALONE = ("-p", "no:rerunfailures")
+
+
+def _line(source: str, text: str, after: str = "") -> int:
+    """The line of ``text`` (the first after the line with ``after``) in ``source`` as pytester
+    writes it (its blank edges stripped)."""
+    lines = source.strip("\n").splitlines()
+    start = next(n for n, line in enumerate(lines) if after in line) if after else 0
+    return next(n for n, line in enumerate(lines, 1) if n > start and text in line)
+
+
+def _session(guarded: GuardedRunner, source: str, *args: str, **kwargs: object) -> Session:
+    guarded.pytester.makeini(INI)
+    guarded.pytester.makepyfile(source)
+    session = guarded.run(*args, **kwargs)  # type: ignore[arg-type]
+    assert "PytestDeprecationWarning" not in session.text  # the loop scope is set: no warning
+    return session
+
+
+def test_an_awaited_event_nobody_sets_is_a_hang_with_its_task_and_the_next_async_test_runs(
+    guarded: GuardedRunner,
+) -> None:
+    line = _line(EVENT, "await event.wait()")
+    session = _session(guarded, EVENT, *ALONE)
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_awaits_an_event_nobody_sets",
+        "hint: pytest (pid *): test_awaits_an_event_nobody_sets awaits Event.wait() in task "
+        f"'Task-*' at test_*.py:{line} (the event is not set); nothing in the process will set "
+        "it. Its event loop has nothing that could wake it*, and the process has no other Python "
+        "thread.",
+        "    asyncio loop in main thread 0x* 1 pending task(s); what could still wake it: nothing",
+        "      task 'Task-*' (test_awaits_an_event_nobody_sets) awaits Event.wait() [[]not set[]] "
+        "(most recent call first):",
+        '        File "*/asyncio/locks.py", line *, in *wait',
+        f'        File "*test_*.py", line {line}, in test_awaits_an_event_nobody_sets',
+        "            await event.wait()",
+    )
+    session.assert_clean()
+
+
+def test_another_thread_of_the_process_keeps_the_hint_from_saying_nothing_will_set_it(
+    guarded: GuardedRunner,
+) -> None:
+    line = _line(OTHER_THREAD, "await asyncio.Event().wait()")
+    session = _session(guarded, OTHER_THREAD, *ALONE)
+    session.result.assert_outcomes(failed=1)
+    report = assert_hang(
+        session,
+        "test_awaits_an_event_beside_another_thread",
+        "hint: pytest (pid *): test_awaits_an_event_beside_another_thread awaits Event.wait() in "
+        f"task 'Task-*' at test_*.py:{line} (the event is not set). Its event loop has nothing "
+        "that could wake it*: only another thread of the process could end the wait "
+        "('bystander').",
+    )
+    assert "nothing in the process will" not in report
+
+
+def test_a_wait_with_a_timeout_is_not_called_endless(guarded: GuardedRunner) -> None:
+    session = _session(guarded, TIMED, *ALONE)
+    session.result.assert_outcomes(failed=1)
+    report = assert_hang(
+        session,
+        "test_awaits_an_event_with_a_long_timeout",
+        "hint: pytest (pid *): * awaits Event.wait()* (the event is not set). Its event loop may "
+        "still be woken by 1 timer(s).",
+        "      task 'Task-*' (test_awaits_an_event_with_a_long_timeout) * with a timeout *",
+    )
+    assert "nothing in the process will" not in report
+
+
+def test_a_task_blocking_the_loops_thread_is_named_and_no_wait_is_called_endless(
+    guarded: GuardedRunner,
+) -> None:
+    session = _session(guarded, BLOCKED, *ALONE)
+    session.result.assert_outcomes(failed=1)
+    report = assert_hang(
+        session,
+        "test_awaits_an_event_a_blocking_task_would_set",
+        "hint: pytest (pid *): test_awaits_an_event_a_blocking_task_would_set awaits Event.wait() "
+        "in task 'Task-*' at test_*.py:* (the event is not set). Its event loop is running task "
+        "'announcer' (announce), and runs no other task until that one awaits or returns*",
+        "      task 'announcer' (announce) is running (the stack of its loop's thread shows where)*",
+        '        File "*test_*.py", line *, in announce',
+    )
+    assert "nothing in the process will" not in report
+
+
+def test_a_hang_on_a_module_scoped_loop_leaves_it_running_the_next_test(
+    guarded: GuardedRunner,
+) -> None:
+    session = _session(guarded, MODULE_LOOP)
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_awaits_an_event_on_the_module_loop",
+        "hint: pytest (pid *): test_awaits_an_event_on_the_module_loop awaits Event.wait() in "
+        f"task 'Task-*' at test_*.py:{_line(MODULE_LOOP, 'await asyncio.Event().wait()')} "
+        "(the event is not set)*",
+    )
+
+
+def test_a_task_awaiting_a_queue_nobody_fills_is_shown_below_the_test_task_awaiting_it(
+    guarded: GuardedRunner,
+) -> None:
+    session = _session(guarded, QUEUE, *ALONE)
+    session.result.assert_outcomes(failed=1)
+    report = assert_hang(
+        session,
+        "test_awaits_a_queue_nobody_fills",
+        "HANG after *s in *::test_awaits_a_queue_nobody_fills: 1 process, stuck in Queue.get() "
+        "(asyncio task 'consumer')",
+        "hint: pytest (pid *): consume awaits Queue.get() in task 'consumer' at "
+        f"test_*.py:{_line(QUEUE, 'return await queue.get()')} (the queue is empty); nothing "
+        "in the process will put an item in it.*",
+        "      task 'Task-*' (test_awaits_a_queue_nobody_fills) awaits task 'consumer' *",
+        "      task 'consumer' (consume) awaits Queue.get() [[]0 item(s) of unbounded[]] *",
+    )
+    tree = report[report.index("    asyncio loop in") :]  # pstree's order: the awaiter first
+    assert tree.index("awaits task 'consumer'") < tree.index("task 'consumer' (consume) awaits")
+
+
+def test_a_gather_where_one_task_awaits_the_others_lock_names_both_and_who_refers_to_it(
+    guarded: GuardedRunner,
+) -> None:
+    held = _line(GATHER_LOCK, "await release.wait()")
+    waits = _line(GATHER_LOCK, "async with lock:", "async def waiter")
+    session = _session(guarded, GATHER_LOCK, *ALONE)
+    session.result.assert_outcomes(failed=1)
+    assert_hang(
+        session,
+        "test_a_gather_where_one_task_awaits_the_others_lock",
+        f"hint: pytest (pid *): holder awaits Event.wait() in task 'holder' at test_*.py:{held} "
+        "(the event is not set); nothing in the process will set it; waiter awaits "
+        f"Lock.acquire() in task 'waiter' at test_*.py:{waits} (the lock is locked; tasks that "
+        f"refer to the lock: *'holder', which awaits Event.wait() at test_*.py:{held}); nothing "
+        "in the process will release it.*",
+        "      task 'Task-*' (test_a_gather_where_one_task_awaits_the_others_lock) awaits gather() "
+        "of 'holder', 'waiter' *",
+    )
+
+
+def test_a_sync_test_whose_asyncio_run_hangs_is_a_hang_and_the_next_test_runs(
+    guarded: GuardedRunner,
+) -> None:
+    session = _session(guarded, SYNC_RUN, *ALONE)
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_a_sync_test_whose_asyncio_run_hangs",
+        "hint: pytest (pid *): wait_for_ever awaits Event.wait() in task 'Task-*' at "
+        f"test_*.py:{_line(SYNC_RUN, 'await asyncio.Event().wait()')} (the event is not set); "
+        "nothing in the process will set it.*",
+    )
+
+
+def test_an_async_fixture_stuck_in_setup_and_an_async_generator_show_their_own_frames(
+    guarded: GuardedRunner,
+) -> None:
+    session = _session(guarded, FIXTURE, *ALONE)
+    session.result.assert_outcomes(failed=1, errors=1)
+    fixture = _line(FIXTURE, "await asyncio.Event().wait()")
+    assert_hang(
+        session,
+        "test_uses_a_fixture_that_never_connects",
+        "HANG after *s in *::test_uses_a_fixture_that_never_connects (during setup): 1 process, "
+        "stuck in Event.wait() (asyncio task 'Task-*')",
+        f"hint: pytest (pid *): connection awaits Event.wait() in task 'Task-*' at "
+        f"test_*.py:{fixture} (the event is not set); nothing in the process will set it.*",
+        f'        File "*test_*.py", line {fixture}, in connection',
+    )
+    assert_hang(
+        session,
+        "test_iterates_an_async_generator_that_never_yields",
+        "hint: pytest (pid *): ticks awaits Queue.get() in task 'Task-*' at "
+        f"test_*.py:{_line(FIXTURE, 'yield await queue.get()')} (the queue is empty)*",
+        '        File "*test_*.py", line *, in test_iterates_an_async_generator_that_never_yields',
+    )
+
+
+def test_children_whose_loops_are_stuck_answer_with_their_tasks(guarded: GuardedRunner) -> None:
+    session = _session(guarded, CHILD, *ALONE)
+    session.result.assert_outcomes(failed=2)
+    assert_hang(
+        session,
+        "test_a_child_process_whose_loop_is_stuck",
+        "HANG after *s in *: 2 processes, 1 stuck in Python child Event.wait() (asyncio task "
+        "'server')",
+        "hint: Python child (pid *): serve awaits Event.wait() in task 'server' at <string>:5 (the "
+        "event is not set); nothing in the process will set it.*",
+        "      task 'server' (serve) awaits Event.wait() [[]not set[]] (most recent call first):",
+    )
+    assert_hang(
+        session,
+        "test_a_forked_child_whose_loop_is_stuck",
+        "hint: multiprocessing.Process(target=forked_loop) (pid *): serve awaits Event.wait() in "
+        f"task 'Task-*' at test_*.py:{_line(CHILD, 'await ready.wait()', 'def test_a_child')} "
+        "(the event is not set); nothing in the process will set it.*",
+    )
+    session.assert_clean()
+
+
+@pytest.mark.parametrize("option", ["--timeout=2", "--torch-hang-timeout=2"])
+def test_pytest_timeouts_option_shows_the_tasks_as_ours_does(
+    guarded: GuardedRunner, option: str
+) -> None:
+    session = _session(guarded, EVENT, option, *ALONE, timeout=None)
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_awaits_an_event_nobody_sets",
+        "      task 'Task-*' (test_awaits_an_event_nobody_sets) awaits Event.wait() [[]not set[]]*",
+    )
+
+
+def test_under_xdist_the_workers_tasks_reach_the_controllers_report(guarded: GuardedRunner) -> None:
+    session = _session(guarded, EVENT, "-n", "1")
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert_hang(
+        session,
+        "test_awaits_an_event_nobody_sets",
+        "hint: pytest (xdist worker gw0) (pid *): test_awaits_an_event_nobody_sets awaits "
+        "Event.wait() in task 'Task-*' at test_*.py:*: only another thread of the process could "
+        "end the wait (thread 0x* started in *)*",
+        "      task 'Task-*' (test_awaits_an_event_nobody_sets) awaits Event.wait() [[]not set[]]*",
+    )

@@ -1,0 +1,59 @@
+"""The plugin's own threads are told from the test's by their stacks, and folded in the report."""
+
+from __future__ import annotations
+
+from pytest_torchhang.report.groups import is_plugin_thread as plugin_thread
+from pytest_torchhang.report.model import (
+    Frame,
+    ProcessReport,
+    ThreadStack,
+    _process_text,
+)
+
+THREADING = "/usr/lib/python3.11/threading.py"
+BOOTSTRAP = [Frame(THREADING, 982, "run"), Frame(THREADING, 1002, "_bootstrap")]
+
+
+def thread(*frames: Frame, ident: str = "0x1") -> ThreadStack:
+    return ThreadStack(ident=ident, frames=[*frames, *BOOTSTRAP])
+
+
+WATCHDOG = thread(
+    Frame(THREADING, 331, "wait"),
+    Frame("/site/pytest_torchhang/watchdog.py", 338, "_run"),
+    ident="0x2",
+)
+USERS = thread(
+    Frame(THREADING, 331, "wait"),
+    Frame("/home/me/app/pytest_torchhang_helpers.py", 3, "work"),  # not the plugin's package
+    Frame("/site/pytest_torchhang/inject/hook.py", 10, "wrapped"),  # a patch of the plugin
+    Frame("/home/me/app/server.py", 40, "serve"),
+    ident="0x3",
+)
+
+
+def test_a_thread_the_plugin_started_is_the_plugins() -> None:
+    assert plugin_thread(WATCHDOG)
+
+
+def test_a_user_thread_that_passes_through_the_plugins_code_is_the_users() -> None:
+    assert not plugin_thread(USERS)
+
+
+def test_a_main_thread_is_never_the_plugins() -> None:
+    child = Frame("/site/pytest_torchhang/runner/child.py", 1, "main")
+    main = ThreadStack("0x4", current=True, frames=[child])
+    assert not plugin_thread(main)
+
+
+def test_the_report_folds_the_plugins_threads_into_one_line() -> None:
+    proc = ProcessReport(
+        pid=10, ppid=1, role="pytest", cmdline="pytest", state="sleeping", cpu_s=0.4,
+        cpu_delta_s=0.0, rss_bytes=0, num_threads=3, age_s=5.0, dump_status="ok",
+        threads=[USERS, WATCHDOG],
+        thread_roles={"0x2": "torch-hang watchdog"},
+    )  # fmt: skip
+    text = "\n".join(_process_text(proc))
+    assert "1 thread(s) of pytest-torchhang itself, not shown: torch-hang watchdog" in text
+    assert "watchdog.py" not in text
+    assert "server.py" in text
