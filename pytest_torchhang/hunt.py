@@ -8,6 +8,7 @@ counts once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -33,6 +34,8 @@ REPORT_PROPERTY = "torch_hang_report"
 FOUND_DIR_KEY = "torchhang_hunt_found_dir"
 #: The key of pytest-xdist's workerinput that hands the workers the hunt's seed.
 SEED_KEY = "torchhang_hunt_seed"
+#: Names the hunt's switch file of stress for every process of the tree (inject/stress.py).
+STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
 #: A stressed run's seed, on its hang's report (JUnit property).
 SEED_PROPERTY = "torch_hang_hunt_seed"
 #: The terminal hears how the hunt goes at most this often.
@@ -205,6 +208,14 @@ class HuntPlugin:
             workerinput.get(SEED_KEY, 0) if workerinput else 0
         ) or random.SystemRandom().randrange(1, 2**31)
         self._not_run: set[str] = set()  # runs skipped after their test's first hang
+        #: The switch of stress: named in the environment once a session, as the progress
+        #: board is (a setenv per run would race the native threads, OpenMP or CUDA, that read
+        #: the environment meanwhile); it holds a stressed run's seed, and nothing otherwise.
+        self._switch = ""
+        if self.stress:
+            fd, self._switch = tempfile.mkstemp(prefix="torchhang-stress-")
+            os.close(fd)
+            os.environ[STRESS_ENV] = self._switch
         self._durations: dict[str, float] = {}  # nodeid -> its phases' time so far
         self._stressing = False
 
@@ -227,6 +238,11 @@ class HuntPlugin:
         node.workerinput[SEED_KEY] = self.base_seed
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if self._switch:
+            if os.environ.get(STRESS_ENV) == self._switch:
+                del os.environ[STRESS_ENV]
+            with contextlib.suppress(OSError):
+                os.unlink(self._switch)
         if self._owns_found_dir:
             shutil.rmtree(self.found_dir, ignore_errors=True)
 
@@ -284,7 +300,7 @@ class HuntPlugin:
         from .inject import stress
 
         seed = self.seed_of(item.nodeid)
-        os.environ[stress.STRESS_ENV] = str(seed)
+        self._flip(str(seed))
         stress.install(seed, "0", os.environ.get(stress.RECORD_ENV, ""))
         self._stressing = True
 
@@ -295,7 +311,12 @@ class HuntPlugin:
 
         self._stressing = False
         stress.uninstall()
-        os.environ.pop(stress.STRESS_ENV, None)
+        self._flip("")
+
+    def _flip(self, seed: str) -> None:
+        """Say to the processes that start from now on whether they are stressed, and how."""
+        with open(self._switch, "w") as switch:
+            switch.write(seed)
 
     # --- what the runs said (on the xdist controller too) -------------------------------------
 

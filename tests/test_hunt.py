@@ -202,7 +202,8 @@ LOADED = "pytest_torchhang.inject.stress"
 
 
 def test_sees_the_pressure_in_every_process_and_only_in_stressed_runs():
-    stressed = bool(os.environ.get("PYTEST_TORCH_HANG_STRESS"))
+    with open(os.environ["PYTEST_TORCH_HANG_STRESS"]) as switch:  # set once a session
+        stressed = bool(switch.read())  # this run's seed, or nothing
     assert len(os.sched_getaffinity(0)) == CPUS  # no CPU pinning: races need every CPU
     here = sys.modules.get(LOADED)
     assert (here is not None and here._State.active) is stressed

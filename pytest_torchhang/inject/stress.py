@@ -1,8 +1,8 @@
 """``--torch-hang-hunt-stress``: seeded delays where the processes and threads of a tree meet.
 
-Loaded only when a hunted run is stressed (``PYTEST_TORCH_HANG_STRESS`` holds the run's seed):
-by the start-up hook in every fresh interpreter, by the runner's forked children, and in the
-pytest process around the run itself. Standard library only, like all of ``inject/``.
+Loaded only when a hunted run is stressed (``PYTEST_TORCH_HANG_STRESS`` names the hunt's switch
+file, which holds the run's seed): by the start-up hook in every fresh interpreter, by the
+runner's forked children, and in the pytest process around the run itself. Standard library only, like all of ``inject/``.
 
 A rare race between processes or threads needs one of them to reach a meeting point (a queue's
 ``get``, a lock, a shared ``Value``, an event, a pipe, a collective) a little earlier or later
@@ -50,9 +50,11 @@ from typing import Any
 # Bound at import, out of reach of a test's patches of ``time`` (as inject/hook.py does).
 _sleep = functools.partial(time.sleep)
 
-#: The run's seed; set (by the hunt) in the environment of a stressed run's processes.
+#: The run's seed, or the path of the hunt's switch file that holds it during a stressed run
+#: (empty during a plain one): set once a session, in the environment of the tree's processes.
 STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
-#: This process's place in the tree, handed to a spawned child (a fork child derives its own).
+#: The place in the tree of a fork child's other children (a subprocess, the resource tracker);
+#: multiprocessing's spawned children get theirs in their preparation data.
 IDENTITY_ENV = "PYTEST_TORCH_HANG_STRESS_ID"
 #: A directory: each process writes the decisions of its schedule to ``<process>.schedule``.
 RECORD_ENV = "PYTEST_TORCH_HANG_STRESS_RECORD"
@@ -342,18 +344,38 @@ def _patch_multiprocessing() -> None:
         _set(sharedctypes.Synchronized, "value", property(get_value, set_value))
     original_start = process.BaseProcess.__dict__["start"]
 
-    def spawn(self: Any) -> None:
-        _State.spawns += 1  # a spawned child's place; a forked one takes its fork number
-        os.environ[IDENTITY_ENV] = f"{_State.identity}.s{_State.spawns}"
-        try:
-            original_start(self)
-        finally:
-            os.environ[IDENTITY_ENV] = _State.identity
-
     def start(self: Any) -> None:
-        call("process.Process.start", spawn, self)
+        _State.spawns += 1  # a spawned child's place; a forked one takes its fork number
+        call("process.Process.start", original_start, self)
 
     _set(process.BaseProcess, "start", _like(start, original_start))
+    _patch_spawn()
+
+
+#: The key of multiprocessing's preparation data (spawn, forkserver) that hands a child its place:
+#: never the environment, which a setenv per start would change under native threads' getenv.
+PLACE_KEY = "torch_hang_stress_place"
+
+
+def _patch_spawn() -> None:
+    import multiprocessing.spawn as spawn
+
+    get_data, prepare = spawn.get_preparation_data, spawn.prepare
+
+    def get_preparation_data(name: str) -> dict[str, Any]:
+        data: dict[str, Any] = get_data(name)
+        if _State.active:
+            data[PLACE_KEY] = f"{_State.identity}.s{_State.spawns}"
+        return data
+
+    def prepare_with_place(data: dict[str, Any]) -> None:
+        place = data.pop(PLACE_KEY, None)
+        prepare(data)
+        if place and _State.active:
+            _rename(str(place))
+
+    _set(spawn, "get_preparation_data", _like(get_preparation_data, get_data))
+    _set(spawn, "prepare", _like(prepare_with_place, prepare))
 
 
 _DISTRIBUTED = (
@@ -486,15 +508,22 @@ def _before_fork() -> None:
         _State.forks += 1
 
 
-def _after_fork_in_child() -> None:
-    if not _State.active:
-        return
-    _State.identity = f"{_State.identity}.{_State.forks}"
+def _rename(identity: str) -> None:
+    """This process's place is ``identity`` from now on: fresh schedules, its own record."""
+    _State.identity = identity
     _State.forks = _State.spawns = _State.threads = 0
     _State.budget_s = BUDGET_S
     _State.local = threading.local()
-    os.environ[IDENTITY_ENV] = _State.identity
     _open_record()
+
+
+def _after_fork_in_child() -> None:
+    if not _State.active:
+        return
+    _rename(f"{_State.identity}.{_State.forks}")
+    # one thread left, none native: the environment may change here, for the child's own
+    # children that multiprocessing does not start (a subprocess, the resource tracker)
+    os.environ[IDENTITY_ENV] = _State.identity
     _start_jitter()
 
 
@@ -506,7 +535,6 @@ def install(seed: int, identity: str = "0", record_dir: str = "") -> None:
     _State.forks = _State.spawns = _State.threads = 0
     _State.budget_s = BUDGET_S
     _State.local = threading.local()
-    os.environ[IDENTITY_ENV] = identity
     _open_record()
     _patch_threading()
     _patch_multiprocessing()
@@ -538,6 +566,20 @@ def _exec_place() -> str:
     return f".x{name}{len(argv)}"
 
 
+def seed_from_env() -> int | None:
+    """The seed of this run: ``PYTEST_TORCH_HANG_STRESS`` holds it, or names the hunt's switch
+    file that does (set once a session; the file says, run by run, which one is stressed).
+    None when this run is plain."""
+    text = os.environ.get(STRESS_ENV, "")
+    if text and not text.isdigit():
+        try:
+            with open(text) as switch:
+                text = switch.read(32).strip()
+        except OSError:
+            return None
+    return int(text) if text.isdigit() else None
+
+
 def install_from_env(place: str = "", fresh: bool = False) -> bool:
     """:func:`install` with the seed, place and record directory of the environment; False when
     this run is not stressed (``PYTEST_TORCH_HANG_STRESS`` unset or not a number).
@@ -546,10 +588,8 @@ def install_from_env(place: str = "", fresh: bool = False) -> bool:
     (the start-up hook of a new interpreter) adds the shape of its command line, unless
     multiprocessing started it.
     """
-    text = os.environ.get(STRESS_ENV, "")
-    try:
-        seed = int(text)
-    except ValueError:
+    seed = seed_from_env()
+    if seed is None:
         return False
     identity = (os.environ.get(IDENTITY_ENV) or "0") + place
     if fresh:
@@ -582,4 +622,3 @@ def uninstall() -> None:
         os.close(_State.record_fd)
         _State.record_fd = -1
     sys.setswitchinterval(_State.switch)
-    os.environ.pop(IDENTITY_ENV, None)

@@ -93,7 +93,7 @@ def _arm_progress_and_stress() -> None:
     if os.environ.get(beats.PROGRESS_ENV):
         beats.look_again()  # the zygote looked when it started, maybe in another test
         beats.install()
-    if os.environ.get("PYTEST_TORCH_HANG_STRESS"):  # stress.STRESS_ENV: loaded only if set
+    if os.environ.get("PYTEST_TORCH_HANG_STRESS"):  # stress.STRESS_ENV: a stressed hunt's
         from ..inject import stress
 
         stress.install_from_env(".r")  # its place: a child of the test's process
