@@ -354,7 +354,10 @@ class HuntPlugin:
             hunted.seconds += seconds
             tally.runs += 1
             run = run_number(report.nodeid)
-            if not any(run in sig.runs for sig in hunted.signatures.values()):
+            # The first run of each kind pays what the session sets up once (fixtures, the
+            # zygote's torch import): left out of the cost of stress when there are others.
+            first = run <= 2 and self.runs > 4
+            if not first and not any(run in sig.runs for sig in hunted.signatures.values()):
                 tally.passed += 1
                 tally.passed_s += seconds
             self._tell_progress()
