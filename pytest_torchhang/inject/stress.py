@@ -77,11 +77,16 @@ HEAVY_AFTER = tuple(
     f"{op}/after"
     for op in (
         ".set", ".notify", ".notify_all", ".release", ".put", ".send", ".send_bytes",
-        ".__exit__", ".empty", ".qsize", ".is_set", ".poll", ".get_obj", ".__getitem__",
-        "Thread.start", "Value.get", "Store.get", "Store.add", "Store.set",
+        ".__exit__", "Thread.start", "Store.set", "Store.add",
     )
 )
-HEAVY, LIGHT = 2.0, 0.5
+#: Reads of shared state wait longest: the other side must arrive within the gap.
+READ_AFTER = tuple(
+    f"{op}/after"
+    for op in (".empty", ".qsize", ".is_set", ".poll", ".get_obj", ".__getitem__", "Value.get",
+               "Store.get")
+)
+READ, HEAVY, LIGHT = 3.0, 2.0, 0.5
 _WEIGHTS: dict[str, float] = {}
 #: Threads of the plugin itself (watchdog, launcher, listeners) are never delayed.
 OWN_THREADS = ("torch-hang", "pytest-torchhang")
@@ -166,7 +171,8 @@ def point(site: str) -> None:
         return
     weight = _WEIGHTS.get(site)
     if weight is None:
-        weight = _WEIGHTS[site] = HEAVY if site.endswith(HEAVY_AFTER) else LIGHT
+        weight = HEAVY if site.endswith(HEAVY_AFTER) else LIGHT
+        _WEIGHTS[site] = weight = READ if site.endswith(READ_AFTER) else weight
     wait = schedule.decide(weight)
     if wait > 0:
         if _State.budget_s <= 0:
