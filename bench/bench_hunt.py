@@ -6,16 +6,26 @@ FakeData DataLoader. The alternative, taking turns with it: a shell loop that st
 ``pytest`` once per run. Goal (issue 12): at least 20 runs/s for the trivial test. ``--quick``
 hunts the trivial test alone, in a file that does not import torch.
 Per run = (session with N runs - session with 1 run) / (N - 1): pytest's and torch's start-up
-are paid once per hunt, and this leaves them out. Run: ``python bench/bench_hunt.py [--runs N]``.
+are paid once per hunt, and this leaves them out.
+
+Then the rare hangs of tests/corpus/corpus_rare.py (issue 24), in one stressed hunt
+(``--torch-hang-hunt=2N --torch-hang-hunt-stress --torch-hang-hunt-all``: the odd runs
+stressed, the even ones plain): each race's plain and stressed rate with its 95% Wilson
+interval, and how much longer a stressed run that did not hang took than a plain one. Goal:
+each race hangs in at least 40% of stressed runs, and more often than plain.
+Run: ``python bench/bench_hunt.py [--runs N] [--corpus-runs N]``.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 import textwrap
 from pathlib import Path
 
 from _common import machine, median, parser, run_session, table
+
+RARE = Path(__file__).resolve().parent.parent / "tests" / "corpus" / "corpus_rare.py"
 
 TRIVIAL = textwrap.dedent(
     """
@@ -40,11 +50,69 @@ LOADER = textwrap.dedent(
 )
 
 
+def _pct(tally: dict[str, object]) -> str:
+    low, high = tally["ci95"]  # type: ignore[misc]
+    share = 100 * float(tally["rate"])  # type: ignore[arg-type]
+    return f"{tally['hangs']}/{tally['runs']} {share:.0f}% ({100 * low:.0f}-{100 * high:.0f}%)"
+
+
+def rare_hangs(runs_each: int, timeout_s: float) -> None:
+    """The corpus of rare hangs, plain and stressed, in one hunt; one row a race."""
+    with tempfile.TemporaryDirectory(prefix="bench-rare-") as tmp:
+        root = Path(tmp)
+        (root / "test_corpus_rare.py").write_text(RARE.read_text())
+        session = run_session(
+            root,
+            [
+                f"--torch-hang-timeout={timeout_s}",
+                "-p",
+                "no:randomly",
+                "-o",
+                "python_functions=rare_*",
+                f"--torch-hang-hunt={2 * runs_each}",
+                "--torch-hang-hunt-stress",
+                "--torch-hang-hunt-all",
+                f"--torch-hang-report-dir={root / 'reports'}",
+                "test_corpus_rare.py",
+            ],
+            expect=(0, 1),
+            timeout=3600,
+        )
+        rows = []
+        for path in sorted((root / "reports").glob("*-hunt.json")):
+            hunt = json.loads(path.read_text())
+            plain, stressed = hunt["plain"], hunt["stressed"]
+            plain_s, stressed_s = (t["seconds_per_passing_run"] for t in (plain, stressed))
+            slower = f"{stressed_s / plain_s:.1f}x" if plain_s and stressed_s else "-"
+            name = hunt["test_id"].split("::")[-1].removeprefix("rare_")
+            rows.append((name, _pct(plain), _pct(stressed), slower))
+    print()
+    print(
+        f"rare hangs (tests/corpus/corpus_rare.py), {runs_each} plain + {runs_each} stressed "
+        f"runs each, timeout {timeout_s}s, one hunt of {session.wall_s:.0f}s ({machine()})"
+    )
+    table(
+        ["race", "plain hung (95% CI)", "stressed hung (95% CI)", "stressed run / plain"],
+        rows,
+        first=40,
+    )
+
+
 def main() -> None:
     args_parser = parser(__doc__)
     args_parser.add_argument("--runs", type=int, default=200, help="Runs of the trivial test")
     args_parser.add_argument("--rounds", type=int, default=3, help="Sessions of each kind")
+    args_parser.add_argument(
+        "--corpus-runs", type=int, default=40, help="Plain and stressed runs of each rare hang"
+    )
+    args_parser.add_argument(
+        "--only-corpus", action="store_true", help="Measure the rare hangs only"
+    )
     args = args_parser.parse_args()
+    corpus_runs = 3 if args.quick else args.corpus_runs
+    if args.only_corpus:
+        rare_hangs(corpus_runs, 2.0)
+        return
     rounds = 1 if args.quick else args.rounds
     # --quick: the trivial test alone (its file does not import torch), for CI
     runs = {"test_trivial": 50} if args.quick else {"test_trivial": args.runs, "test_loader": 20}
@@ -74,6 +142,7 @@ def main() -> None:
         rows.append((name, hunted, 1 / hunted, alone, alone / hunted))
     table(["test", "s/run hunted", "runs/s", "s/run fresh", "x faster"], rows, first=20)
     print(f"trivial test: {rows[0][2]:.0f} runs/s hunted (goal: at least 20)")
+    rare_hangs(corpus_runs, 2.0)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,30 @@ The hunt stops at the first hang (``--torch-hang-hunt-all`` runs all 100 and cou
 ends with a ``torch-hang hunt`` section: ``hung 9 of 100 runs (9.0%, 95% CI ...), 1 distinct
 signature``, with that signature's first report in full.
 
-The main example run skips it (``hunt_example``, see conftest.py): once, it proves nothing.
+Some races are rarer still: two children that each add one to a shared counter lose an update
+only when their read and write overlap, which plain runs almost never see (docs/hunting.md has
+the rates of the same race in tests/corpus/corpus_rare.py). Stress makes it frequent: the odd
+runs wait briefly, at random and seeded, where processes meet (the counter's read and write,
+queues, locks, events); the even runs stay plain for comparison::
+
+    pytest examples/test_sometimes_hangs.py -k shared --torch-hang-hunt=40 \
+        --torch-hang-hunt-stress --torch-hang-hunt-all --torch-hang-timeout=3
+
+The summary gives both rates, each with its 95% interval (``plain: hung ... of 20 runs``,
+``stressed: hung ... of 20 runs``), and what a stressed run costs; each stressed hang names its
+seed, and ``--torch-hang-hunt=1 --torch-hang-hunt-seed=SEED`` replays that schedule of waits.
+
+The main example run skips them (``hunt_example``, see conftest.py): once, they prove nothing.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -53,3 +68,21 @@ def test_a_child_forked_while_a_thread_holds_a_lock() -> None:
         assert _fork_a_child_that_takes_the_lock() == 0
     finally:
         stop.set()
+
+
+def _add_one(counter: Any) -> None:  # a multiprocessing.Value
+    counter.value += 1  # a read, then a write: not atomic, even with the Value's own lock
+
+
+@pytest.mark.hunt_example
+@pytest.mark.torch_hang(timeout=3)
+def test_two_children_count_on_a_shared_value() -> None:
+    fork = multiprocessing.get_context("fork")
+    counter = fork.Value("i", 0)
+    children = [fork.Process(target=_add_one, args=(counter,)) for _ in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join()
+    while counter.value < 2:  # a lost update: waits for it forever
+        time.sleep(0.01)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import platform
 import random
 import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,77 +23,23 @@ import pytest
 
 from . import clock
 from .report.handoff import HEADLINE_PROPERTY
+from .report.hunts import hunt_line, pressure_lines, signature, wilson
 from .report.model import HangReport
 
 RUN_FIXTURE = "_torch_hang_hunt_run"
 RUN_PROPERTY = "torch_hang_hunt_run"
 SIGNATURE_PROPERTY = "torch_hang_signature"
 REPORT_PROPERTY = "torch_hang_report"
-#: Roles that wait by design, and processes the test did not start: never part of a signature.
-_NOT_STUCK = (
-    "started before this test",
-    "resource_tracker",
-    "forkserver",
-    "torch_shm_manager",
-    "Manager server",
-)
 #: The key of pytest-xdist's workerinput that hands the workers the shared "found" directory.
 FOUND_DIR_KEY = "torchhang_hunt_found_dir"
+#: The key of pytest-xdist's workerinput that hands the workers the hunt's seed.
+SEED_KEY = "torchhang_hunt_seed"
+#: Names the hunt's switch file of stress for every process of the tree (inject/stress.py).
+STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
+#: A stressed run's seed, on its hang's report (JUnit property).
+SEED_PROPERTY = "torch_hang_hunt_seed"
 #: The terminal hears how the hunt goes at most this often.
 PROGRESS_EVERY_S = 5.0
-
-
-#: What differs between machines and runs of one hang: addresses, absolute paths, pids.
-_UNSTABLE = [
-    (re.compile(r"0x[0-9a-fA-F]+"), "0x?"),
-    (re.compile(r"(?<![\w.])/(?:[^/\s:()]+/)+([^/\s:()]+)"), r"\1"),
-    (re.compile(r"\bpid \d+"), "pid ?"),
-]
-
-
-def _stable(text: str) -> str:
-    for pattern, replacement in _UNSTABLE:
-        text = pattern.sub(replacement, text)
-    return text
-
-
-def signature(hang: HangReport) -> str:
-    """The set of (role, stuck frame) pairs of the hang's processes, as one stable string.
-
-    Equal for the same hang on any machine: no pid, address or absolute path stays in it, so
-    ``merge-hunts`` can count one hang across the jobs of a CI matrix.
-    """
-    pairs = {
-        _stable(f"{p.role_data().general()} in {p.stuck_at}")
-        for p in hang.processes
-        if p.stuck_at and not p.role.startswith(_NOT_STUCK) and p.state not in ("zombie", "gone")
-    }
-    return "; ".join(sorted(pairs)) or "no stuck frame"
-
-
-def wilson(hits: int, runs: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of ``hits / runs`` (95% by default): good at 0 and at 1 of N."""
-    if runs <= 0:
-        return 0.0, 1.0
-    p = hits / runs
-    centre = p + z * z / (2 * runs)
-    spread = z * math.sqrt(p * (1 - p) / runs + z * z / (4 * runs * runs))
-    scale = 1 + z * z / runs
-    return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
-
-
-def hunt_line(test_id: str, hangs: int, runs: int, distinct: int) -> str:
-    """``test_x: hung 3 of 200 runs (1.5%, 95% CI 0.5%-4.3%), 2 distinct signatures``.
-
-    The one wording of a hunt's result: the hunt section and ``merge-hunts`` both say it so.
-    """
-    low, high = wilson(hangs, runs)
-    rate = 100 * hangs / runs if runs else 0.0
-    return (
-        f"{test_id}: hung {hangs} of {runs} runs ({rate:.1f}%, 95% CI "
-        f"{100 * low:.1f}%-{100 * high:.1f}%), {distinct} distinct signature"
-        f"{'s' if distinct != 1 else ''}"
-    )
 
 
 _PARAMS = re.compile(r"^(.*)\[(.*)\]$")
@@ -123,6 +67,12 @@ def run_number(nodeid: str) -> int:
     return 0
 
 
+def run_seed(base: int, test_id: str, run: int) -> int:
+    """The seed of one stressed run: drawn from the hunt's seed, the test and the run number,
+    so that every worker of an xdist session (and the controller) agrees on it."""
+    return random.Random(f"{base}/{test_id}/{run}").randrange(1, 2**31)
+
+
 @dataclass
 class Signature:
     """One distinct way a test hung."""
@@ -132,6 +82,30 @@ class Signature:
     headline: str = ""
     first_report: str = ""  # the first report's text, in full
     json_path: str = ""
+    seeds: dict[int, int] = field(default_factory=dict)  # stressed run -> its seed
+
+
+@dataclass
+class Tally:
+    """The runs of one kind (plain or stressed) of a hunted test."""
+
+    runs: int = 0
+    hangs: int = 0
+    passed: int = 0
+    passed_s: float = 0.0  # the time of the runs that passed: a hung run lasts its timeout
+
+    def per_passing_run(self) -> float | None:
+        return self.passed_s / self.passed if self.passed else None
+
+    def to_json(self) -> dict[str, Any]:
+        low, high = wilson(self.hangs, self.runs)
+        return {
+            "runs": self.runs,
+            "hangs": self.hangs,
+            "rate": self.hangs / self.runs if self.runs else 0.0,
+            "ci95": [low, high],
+            "seconds_per_passing_run": self.per_passing_run(),
+        }
 
 
 @dataclass
@@ -144,6 +118,8 @@ class Hunted:
     skipped: int = 0
     seconds: float = 0.0
     signatures: dict[str, Signature] = field(default_factory=dict)
+    plain: Tally = field(default_factory=Tally)
+    stressed: Tally = field(default_factory=Tally)
 
     @property
     def hangs(self) -> int:
@@ -155,6 +131,13 @@ class Hunted:
         if self.skipped:
             text += f"; {self.skipped} more run(s) not needed after its first hang"
         return text
+
+    def pressure(self) -> list[str]:
+        """The plain and the stressed rate, when stress ran (nothing for a plain hunt)."""
+        if not self.stressed.runs:
+            return []
+        kinds = self.plain, self.stressed
+        return pressure_lines(*((t.hangs, t.runs, t.per_passing_run()) for t in kinds))
 
     def to_json(self) -> dict[str, Any]:
         low, high = wilson(self.hangs, self.runs)
@@ -169,11 +152,14 @@ class Hunted:
             "ci95": [low, high],
             "seconds": self.seconds,
             "host": platform.node(),
+            "plain": self.plain.to_json(),
+            "stressed": self.stressed.to_json(),
             "signatures": [
                 {
                     "signature": s.text,
                     "count": len(s.runs),
                     "runs": s.runs,
+                    "seeds": {str(run): seed for run, seed in s.seeds.items()},
                     "headline": s.headline,
                     "report": s.json_path or None,
                     # the report's name in the same directory: the upload of that directory
@@ -186,13 +172,26 @@ class Hunted:
 
 
 class HuntPlugin:
-    """The hooks of ``--torch-hang-hunt``: make the runs, stop at a first hang, summarise."""
+    """The hooks of ``--torch-hang-hunt``: make the runs, stop at a first hang, summarise.
 
-    def __init__(self, config: pytest.Config, runs: int, run_all: bool, stress: bool) -> None:
+    With ``--torch-hang-hunt-stress`` the odd runs are stressed and the even ones plain, so the
+    summary can say how much stress raised the rate, and what it cost; with
+    ``--torch-hang-hunt-seed=S`` every run is stressed with the schedule of ``S``.
+    """
+
+    def __init__(
+        self,
+        config: pytest.Config,
+        runs: int,
+        run_all: bool,
+        stress: bool,
+        seed: int | None = None,
+    ) -> None:
         self.config = config
         self.runs = runs
         self.run_all = run_all
-        self.stress = stress
+        self.stress = stress or seed is not None
+        self.seed = seed
         self.tests: dict[str, Hunted] = {}
         self.started = clock.monotonic()
         self._told = 0.0
@@ -203,9 +202,22 @@ class HuntPlugin:
         given = workerinput.get(FOUND_DIR_KEY) if workerinput else None
         self._owns_found_dir = given is None
         self.found_dir = given or tempfile.mkdtemp(prefix="torchhang-hunt-")
-        self._affinity: set[int] | None = None
+        #: The hunt's own seed, from which each stressed run's seed is drawn (the controller's,
+        #: handed to the workers like the found directory).
+        self.base_seed = int(
+            workerinput.get(SEED_KEY, 0) if workerinput else 0
+        ) or random.SystemRandom().randrange(1, 2**31)
         self._not_run: set[str] = set()  # runs skipped after their test's first hang
-        self._switch = sys.getswitchinterval()
+        #: The switch of stress: named in the environment once a session, as the progress
+        #: board is (a setenv per run would race the native threads, OpenMP or CUDA, that read
+        #: the environment meanwhile); it holds a stressed run's seed, and nothing otherwise.
+        self._switch = ""
+        if self.stress:
+            fd, self._switch = tempfile.mkstemp(prefix="torchhang-stress-")
+            os.close(fd)
+            os.environ[STRESS_ENV] = self._switch
+        self._durations: dict[str, float] = {}  # nodeid -> its phases' time so far
+        self._stressing = False
 
     # --- the runs ---------------------------------------------------------------------------
 
@@ -223,8 +235,14 @@ class HuntPlugin:
     @pytest.hookimpl(optionalhook=True)  # pytest-xdist's: absent without it
     def pytest_configure_node(self, node: Any) -> None:
         node.workerinput[FOUND_DIR_KEY] = self.found_dir
+        node.workerinput[SEED_KEY] = self.base_seed
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if self._switch:
+            if os.environ.get(STRESS_ENV) == self._switch:
+                del os.environ[STRESS_ENV]
+            with contextlib.suppress(OSError):
+                os.unlink(self._switch)
         if self._owns_found_dir:
             shutil.rmtree(self.found_dir, ignore_errors=True)
 
@@ -240,38 +258,65 @@ class HuntPlugin:
     def _found_path(self, test_id: str) -> str:
         return os.path.join(self.found_dir, re.sub(r"[^A-Za-z0-9_.-]+", "_", test_id)[-150:])
 
+    def stressed(self, nodeid: str) -> bool:
+        """Whether this run is stressed: every run with a seed given, else the odd runs."""
+        return self.stress and (self.seed is not None or run_number(nodeid) % 2 == 1)
+
+    def seed_of(self, nodeid: str) -> int:
+        """The seed of a stressed run: ``--torch-hang-hunt-seed``, or drawn for this run."""
+        if self.seed is not None:
+            return self.seed
+        return run_seed(self.base_seed, base_id(nodeid), run_number(nodeid))
+
     def found(self, nodeid: str, hang: HangReport) -> list[tuple[str, str]]:
         """A run hung: tell the other runs (and workers), and label the report."""
         os.makedirs(self.found_dir, exist_ok=True)
         with open(self._found_path(base_id(nodeid)), "a") as marker:
             marker.write(f"{run_number(nodeid)}\n")
-        return [(SIGNATURE_PROPERTY, signature(hang)), (RUN_PROPERTY, str(run_number(nodeid)))]
+        labels = [(SIGNATURE_PROPERTY, signature(hang)), (RUN_PROPERTY, str(run_number(nodeid)))]
+        if self.stressed(nodeid):
+            labels.append((SEED_PROPERTY, str(self.seed_of(nodeid))))
+        return labels
+
+    def run_note(self, nodeid: str) -> str:
+        """What a hung run's report says of its run: plain, or stressed with its seed."""
+        run = run_number(nodeid)
+        if not self.stressed(nodeid):
+            return f"run {run} of {self.runs}, plain (not stressed)"
+        seed = self.seed_of(nodeid)
+        return (
+            f"run {run} of {self.runs}, stressed with seed {seed}; the same schedule again: "
+            f"pytest '{base_id(nodeid)}' --torch-hang-hunt=1 --torch-hang-hunt-seed={seed} "
+            "(and the same timeout)"
+        )
 
     # --- pressure ---------------------------------------------------------------------------
 
-    def begin_run(self) -> None:
-        """--torch-hang-hunt-stress, in the pytest process: one CPU, frequent thread switches."""
-        if not self.stress:
+    def begin_run(self, item: pytest.Item) -> None:
+        """A stressed run: its seed in the environment of every process it starts, and the
+        same stress in this process for the run (inject/stress.py, loaded only now)."""
+        if not self.stressed(item.nodeid):
             return
-        self._switch = sys.getswitchinterval()
-        sys.setswitchinterval(1e-6)
-        try:
-            allowed = sorted(os.sched_getaffinity(0))
-            self._affinity = set(allowed)
-            worker = getattr(self.config, "workerinput", {}).get("workerid", "gw0")
-            index = int(re.sub(r"\D", "", worker) or 0)
-            os.sched_setaffinity(0, {allowed[index % len(allowed)]})  # children inherit it
-        except (AttributeError, OSError):
-            self._affinity = None
-        clock.sleep(random.random() * 0.005)
+        from .inject import stress
 
-    def end_run(self) -> None:
-        if not self.stress:
+        seed = self.seed_of(item.nodeid)
+        self._flip(str(seed))
+        stress.install(seed, "0", os.environ.get(stress.RECORD_ENV, ""))
+        self._stressing = True
+
+    def end_run(self, item: pytest.Item) -> None:
+        if not self._stressing:
             return
-        sys.setswitchinterval(self._switch)
-        if self._affinity:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, self._affinity)
+        from .inject import stress
+
+        self._stressing = False
+        stress.uninstall()
+        self._flip("")
+
+    def _flip(self, seed: str) -> None:
+        """Say to the processes that start from now on whether they are stressed, and how."""
+        with open(self._switch, "w") as switch:
+            switch.write(seed)
 
     # --- what the runs said (on the xdist controller too) -------------------------------------
 
@@ -280,10 +325,12 @@ class HuntPlugin:
             return
         test_id = base_id(report.nodeid)
         hunted = self.tests.setdefault(test_id, Hunted(test_id, self.runs))
+        tally = hunted.stressed if self.stressed(report.nodeid) else hunted.plain
         if report.when == "setup" and report.skipped:
             hunted.skipped += 1
             self._not_run.add(report.nodeid)
             return
+        self._durations[report.nodeid] = self._durations.get(report.nodeid, 0.0) + report.duration
         properties = dict(report.user_properties)
         text = properties.get(SIGNATURE_PROPERTY)
         if report.failed and text is not None and report.when in ("setup", "call", "teardown"):
@@ -298,9 +345,21 @@ class HuntPlugin:
             run = run_number(report.nodeid)
             if run not in sig.runs:
                 sig.runs.append(run)
+                tally.hangs += 1
+                if SEED_PROPERTY in properties:
+                    sig.seeds[run] = int(str(properties[SEED_PROPERTY]))
         if report.when == "teardown" and report.nodeid not in self._not_run:
+            seconds = self._durations.pop(report.nodeid, 0.0)
             hunted.runs += 1
-            hunted.seconds += report.duration
+            hunted.seconds += seconds
+            tally.runs += 1
+            run = run_number(report.nodeid)
+            # The first run of each kind pays what the session sets up once (fixtures, the
+            # zygote's torch import): left out of the cost of stress when there are others.
+            first = run <= 2 and self.runs > 4
+            if not first and not any(run in sig.runs for sig in hunted.signatures.values()):
+                tally.passed += 1
+                tally.passed_s += seconds
             self._tell_progress()
 
     def _tell_progress(self) -> None:
@@ -327,12 +386,18 @@ class HuntPlugin:
         lines: list[str] = []
         for hunted in self.tests.values():
             lines.append(hunted.line())
+            lines.extend("    " + line for line in hunted.pressure())
             for number, sig in enumerate(hunted.signatures.values(), 1):
                 lines.append("")
                 lines.append(
                     f"signature {number} of {hunted.test_id}, {len(sig.runs)} run(s) "
                     f"(runs {', '.join(map(str, sorted(sig.runs)))}): {sig.text}"
                 )
+                for run in sorted(sig.seeds):
+                    lines.append(
+                        f"    run {run} was stressed with seed {sig.seeds[run]}: rerun its "
+                        f"schedule with --torch-hang-hunt=1 --torch-hang-hunt-seed={sig.seeds[run]}"
+                    )
                 lines.append("first report in full:")
                 lines.extend("    " + line for line in sig.first_report.splitlines())
             lines.append("")

@@ -93,8 +93,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="torch_hang_hunt_stress",
         action="store_true",
         default=False,
-        help=f"With {settings.HUNT_OPTION}: make races likelier (tiny switch interval in every "
-        "process, the tree on one CPU, jittered process start-up); changes timing, not semantics",
+        help=f"With {settings.HUNT_OPTION}: make races likelier: odd runs wait briefly, at "
+        "random, where the tree's processes and threads meet (queues, pipes, locks, events, "
+        "shared values, process start and join, collectives), even runs stay plain for "
+        "comparison; changes timing, not semantics",
+    )
+    group.addoption(
+        settings.HUNT_SEED_OPTION,
+        dest="torch_hang_hunt_seed",
+        default=None,
+        metavar="SEED",
+        help=f"With {settings.HUNT_OPTION}: stress every run with the schedule of SEED, as a "
+        "stressed run that hung printed it",
     )
     group.addoption(
         "--torch-hang-rerun",
@@ -154,7 +164,11 @@ def pytest_configure(config: pytest.Config) -> None:
         from .hunt import HuntPlugin
 
         hunter = HuntPlugin(
-            config, session_settings.hunt, session_settings.hunt_all, session_settings.hunt_stress
+            config,
+            session_settings.hunt,
+            session_settings.hunt_all,
+            session_settings.hunt_stress,
+            session_settings.hunt_seed,
         )
         config.pluginmanager.register(hunter, _HUNT)
 
@@ -569,12 +583,12 @@ class _PerTestHooks:
             state.forget_births()
         hunter = _hunter(item.config)
         if hunter is not None:
-            hunter.begin_run()
+            hunter.begin_run(item)
         try:
             return (yield)
         finally:
             if hunter is not None:
-                hunter.end_run()
+                hunter.end_run(item)
             held = item.stash.get(self._key, None)
             if held is not None:
                 state.finish(held)
@@ -677,6 +691,7 @@ class _PerTestHooks:
         hunter = _hunter(item.config)
         if hunter is not None:
             report.user_properties.extend(hunter.found(item.nodeid, hang))
+            report.sections.append(("torch-hang hunt", hunter.run_note(item.nodeid)))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:

@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 PIPELINE_WAIT_S = 30.0
 
 DEADLINE = pytest.StashKey["TestDeadline"]()
-#: --torch-hang-hunt-stress: the start-up hook of every process of the tree makes races likelier.
-STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
 
 
 def xdist_worker(config: pytest.Config) -> str | None:
@@ -99,10 +97,6 @@ class SessionState:
         )
         self.monitor.ensure_started()
         self.watchdog = Watchdog(self.monitor, lambda: self.own_pids(start=False), self.notes)
-        if self.settings.hunt_stress:
-            # Once a session, as the progress board's pointer: a setenv per test would race
-            # the native threads (OpenMP, CUDA) that read the environment meanwhile.
-            os.environ[STRESS_ENV] = "1"
         if self.in_thread:
             self.notes.append(
                 "pytest runs in a thread other than the main one here, where no signal can "
@@ -301,8 +295,6 @@ class SessionState:
         self.watchdog.stop()
         if self.monitor is not None:
             self.monitor.stop()
-        if self.settings.hunt_stress:
-            os.environ.pop(STRESS_ENV, None)
         if self._boards and self.dump_dir is not None:
             from .inject import beats
 

@@ -19,6 +19,7 @@ STALL_ENV = "PYTEST_TORCH_HANG_STALL"
 HUNT_OPTION = "--torch-hang-hunt"
 HUNT_ALL_OPTION = "--torch-hang-hunt-all"
 HUNT_STRESS_OPTION = "--torch-hang-hunt-stress"
+HUNT_SEED_OPTION = "--torch-hang-hunt-seed"
 REPORT_DIR_OPTION = "--torch-hang-report-dir"
 REPORT_DIR_INI = "torch_hang_report_dir"
 NATIVE_OPTION = "--torch-hang-native"
@@ -125,6 +126,22 @@ def _hunt_runs(config: pytest.Config) -> int:
     return runs
 
 
+def _hunt_seed(config: pytest.Config) -> int | None:
+    value = config.getoption("torch_hang_hunt_seed", None)
+    if value is None:
+        return None
+    try:
+        seed = int(value, 10)
+    except ValueError:
+        seed = -1
+    if seed < 0:
+        raise pytest.UsageError(
+            f"{HUNT_SEED_OPTION} must be a whole number >= 0 (a seed a hunt printed), "
+            f"got {value!r}"
+        )
+    return seed
+
+
 PYTEST_TIMEOUT_ENV = "PYTEST_TIMEOUT"
 
 
@@ -158,7 +175,8 @@ class SessionSettings:
     stall: float = 0.0  # fail after this long without progress; 0 means off
     hunt: int = 0  # runs per selected test when hunting rare hangs; 0 means not hunting
     hunt_all: bool = False  # hunt: run all of them, rather than stop at the first hang
-    hunt_stress: bool = False  # hunt: make races likelier (switch interval, one CPU, jitter)
+    hunt_stress: bool = False  # hunt: make races likelier (seeded delays where processes meet)
+    hunt_seed: int | None = None  # hunt: stress every run with this seed's schedule
 
 
 def session_settings(config: pytest.Config) -> SessionSettings:
@@ -172,8 +190,10 @@ def session_settings(config: pytest.Config) -> SessionSettings:
     hunt = _hunt_runs(config)
     hunt_all = bool(config.getoption("torch_hang_hunt_all"))
     hunt_stress = bool(config.getoption("torch_hang_hunt_stress"))
-    if (hunt_all or hunt_stress) and not hunt:
+    hunt_seed = _hunt_seed(config)
+    if (hunt_all or hunt_stress or hunt_seed is not None) and not hunt:
         flag = HUNT_ALL_OPTION if hunt_all else HUNT_STRESS_OPTION
+        flag = HUNT_SEED_OPTION if hunt_seed is not None else flag
         raise pytest.UsageError(f"{flag} goes with {HUNT_OPTION}=N (how many runs per test)")
     if hunt and not (timeout or stall):
         raise pytest.UsageError(
@@ -197,7 +217,10 @@ def session_settings(config: pytest.Config) -> SessionSettings:
     if report_dir:
         _check_report_dir(report_dir, given, dir_source)
     native = bool(config.getoption("torch_hang_native")) or _ini_bool(config, NATIVE_INI)
-    return SessionSettings(timeout, source, report_dir, native, stall, hunt, hunt_all, hunt_stress)
+    hunt_stress = hunt_stress or hunt_seed is not None  # a seed names a stress schedule
+    return SessionSettings(
+        timeout, source, report_dir, native, stall, hunt, hunt_all, hunt_stress, hunt_seed
+    )
 
 
 def _check_report_dir(path: str, given: str, source: str) -> None:

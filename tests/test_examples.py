@@ -59,7 +59,8 @@ STALLS = {
 }
 #: Skipped by the main run: the hunt example runs only when hunting.
 HUNT_EXAMPLES = {
-    "test_a_child_forked_while_a_thread_holds_a_lock": "a rare hang: run it with --torch-hang-hunt=100"
+    "test_a_child_forked_while_a_thread_holds_a_lock": "a rare hang: run it with --torch-hang-hunt=100",
+    "test_two_children_count_on_a_shared_value": "a rare hang: run it with --torch-hang-hunt=100",
 }
 #: gpu(n) examples: skipped on a machine without GPUs, with the plugin's reason.
 GPU_EXAMPLES = {

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +81,7 @@ def test_never_hangs():
 
 
 def _summary(session_text: str) -> str:
-    return session_text.split("torch-hang hunt ")[1].split("torch-hang summary")[0]
+    return session_text.split("= torch-hang hunt =")[1].split("torch-hang summary")[0]
 
 
 def test_a_rare_deadlock_is_found_and_each_way_it_hangs_is_shown_once(
@@ -168,24 +171,199 @@ def test_a_bad_run_count_is_a_usage_error(pytester: pytest.Pytester, value: str)
     )
 
 
-STRESSED = """
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_a_bad_seed_is_a_usage_error_naming_the_option(
+    pytester: pytest.Pytester, value: str
+) -> None:
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        "--torch-hang-hunt=2", f"--torch-hang-hunt-seed={value}", "--torch-hang-timeout=5"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--torch-hang-hunt-seed must be a whole number >= 0*{value}*"])
+
+
+def test_a_seed_without_a_hunt_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("--torch-hang-hunt-seed=7", "--torch-hang-timeout=5")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--torch-hang-hunt-seed goes with --torch-hang-hunt=N*"])
+
+
+STRESSED = f"""
 import os
 import subprocess
 import sys
 
+import pytest
 
-def test_sees_the_pressure():
-    assert sys.getswitchinterval() < 1e-3
-    assert len(os.sched_getaffinity(0)) == 1
+CPUS = {len(os.sched_getaffinity(0))}
+LOADED = "pytest_torchhang.inject.stress"
+
+
+def test_sees_the_pressure_in_every_process_and_only_in_stressed_runs():
+    with open(os.environ["PYTEST_TORCH_HANG_STRESS"]) as switch:  # set once a session
+        stressed = bool(switch.read())  # this run's seed, or nothing
+    assert len(os.sched_getaffinity(0)) == CPUS  # no CPU pinning: races need every CPU
+    here = sys.modules.get(LOADED)
+    assert (here is not None and here._State.active) is stressed
+    assert (sys.getswitchinterval() < 1e-3) is stressed
     child = subprocess.run(
-        [sys.executable, "-c", "import sys; print(sys.getswitchinterval())"],
+        [sys.executable, "-c", f"import sys; print({{LOADED!r}} in sys.modules)"],
         capture_output=True, text=True, check=True,
     )
-    assert float(child.stdout) < 1e-3  # every process of the tree
+    assert child.stdout.strip() == str(stressed)  # the start-up hook of every process
 """
 
 
-def test_stress_changes_timing_in_every_process_of_the_tree(guarded: GuardedRunner) -> None:
+def test_stress_reaches_every_process_of_the_tree_in_odd_runs_and_plain_runs_stay_plain(
+    guarded: GuardedRunner,
+) -> None:
     guarded.pytester.makepyfile(test_stressed=STRESSED)
-    session = guarded.run("--torch-hang-hunt=3", "--torch-hang-hunt-stress", timeout=30)
-    assert_outcomes(session.result, passed=3)
+    session = guarded.run("--torch-hang-hunt=4", "--torch-hang-hunt-stress", timeout=30)
+    assert_outcomes(session.result, passed=4)
+    summary = _summary(session.result.stdout.str())
+    assert "plain: hung 0 of 2 runs (0.0%, 95% CI 0.0%-65.8%)" in summary, summary
+    assert "stressed: hung 0 of 2 runs (0.0%, 95% CI 0.0%-65.8%)" in summary, summary
+    assert "as long" in summary, summary  # what a stressed run costs
+
+
+def test_a_hunt_without_stress_never_loads_it(guarded: GuardedRunner) -> None:
+    guarded.pytester.makepyfile(
+        test_plain="import sys\n\n\ndef test_plain():\n"
+        "    assert 'pytest_torchhang.inject.stress' not in sys.modules\n"
+    )
+    session = guarded.run("--torch-hang-hunt=2", timeout=30)
+    assert_outcomes(session.result, passed=2)
+    assert "stressed:" not in session.result.stdout.str()
+
+
+RARE = (Path(__file__).parent / "corpus" / "corpus_rare.py").read_text()
+#: Runs of each kind per rare race (the odd runs of the hunt are stressed, the even ones plain).
+RUNS_EACH = 20
+_RATE = re.compile(r"^\s+(plain|stressed): hung (\d+) of (\d+) runs", re.M)
+
+
+@pytest.mark.parametrize(
+    "race",
+    [
+        "rare_lost_update_on_a_shared_value",
+        "rare_lost_notify_between_threads",
+        "rare_child_says_ready_before_it_is",
+        "rare_child_exits_before_its_queue_is_flushed",
+        "rare_check_then_act_on_a_shared_queue",
+    ],
+)
+def test_a_rare_race_hangs_often_under_stress_and_stays_rare_without_it(
+    guarded: GuardedRunner, race: str
+) -> None:
+    guarded.pytester.makepyfile(test_corpus_rare=RARE)
+    session = guarded.run(
+        "-p",
+        "no:randomly",
+        "-o",
+        "python_functions=rare_*",
+        f"test_corpus_rare.py::{race}",
+        f"--torch-hang-hunt={2 * RUNS_EACH}",
+        "--torch-hang-hunt-stress",
+        "--torch-hang-hunt-all",
+        timeout=1.5,
+        wait_s=300,
+    )
+    out = session.result.stdout.str()
+    assert "INTERNALERROR" not in out, out[-3000:]
+    rates = {kind: (int(hung), int(runs)) for kind, hung, runs in _RATE.findall(_summary(out))}
+    assert rates["plain"][1] == rates["stressed"][1] == RUNS_EACH, rates
+    plain, stressed = rates["plain"][0], rates["stressed"][0]
+    # bounds loose enough for a loaded machine: the bench measures the rates themselves
+    assert stressed >= RUNS_EACH // 4 and stressed >= plain + 3, rates
+    assert plain <= RUNS_EACH // 5, rates
+    # each hang says its run, and a stressed one its seed and how to replay it
+    assert out.count("stressed with seed ") >= stressed, out[-3000:]
+    session.assert_clean()
+
+
+SEEDED = """
+import multiprocessing as mp
+import threading
+
+FORK = mp.get_context("fork")
+SPAWN = mp.get_context("spawn")
+
+
+def _child(queue, counter):
+    for item in range(5):
+        queue.put(item)
+        with counter.get_lock():
+            counter.value += 1
+
+
+def _spawned(event):
+    event.set()
+
+
+def test_a_fixed_round_of_meetings():
+    queue, counter = FORK.Queue(), FORK.Value("i", 0)
+    children = [FORK.Process(target=_child, args=(queue, counter)) for _ in range(2)]
+    for child in children:
+        child.start()
+    assert sorted(queue.get() for _ in range(10)) == sorted(list(range(5)) * 2)
+    for child in children:
+        child.join()
+    assert counter.value == 10
+    event = threading.Event()
+    thread = threading.Thread(target=event.set)
+    thread.start()
+    event.wait()
+    thread.join()
+    spawned_event = SPAWN.Event()
+    spawned = SPAWN.Process(target=_spawned, args=(spawned_event,))
+    spawned.start()
+    spawned_event.wait()
+    spawned.join()
+"""
+
+
+def _schedules(directory: Path) -> dict[str, list[str]]:
+    """Each process's decisions, by process, then each thread's in its order (threads'
+    lines interleave in a process's file as they ran)."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(directory.glob("*.schedule")):
+        lines = path.read_text().splitlines()
+        out[path.stem] = sorted(lines, key=lambda line: (line.split()[0], int(line.split()[1])))
+    return out
+
+
+def _deterministic(schedules: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The threads whose operations are the same in every run: the main threads (a queue's
+    feeder thread loops as often as its buffer happens to be empty)."""
+    return {
+        process: [line for line in lines if line.startswith("main ")]
+        for process, lines in schedules.items()
+    }
+
+
+def test_a_seed_replays_the_same_schedule_in_every_process_and_another_seed_does_not(
+    guarded: GuardedRunner,
+) -> None:
+    guarded.pytester.makepyfile(test_seeded=SEEDED)
+    runs = {}
+    for name, seed in (("first", "4242"), ("again", "4242"), ("other", "77")):
+        record = guarded.pytester.path / f"schedule-{name}"
+        record.mkdir()
+        guarded.monkeypatch.setenv("PYTEST_TORCH_HANG_STRESS_RECORD", str(record))
+        session = guarded.run(
+            "-p", "no:randomly", "--torch-hang-hunt=1", f"--torch-hang-hunt-seed={seed}",
+            timeout=30,
+        )
+        assert_outcomes(session.result, passed=1)
+        runs[name] = _schedules(record)
+    # the pytest process, its two forks, and the child spawned by its third Process.start
+    # (its place handed over through the environment)
+    assert {"0", "0.1", "0.2", "0.s3"} <= set(runs["first"]), sorted(runs["first"])
+    first, again, other = (_deterministic(runs[n]) for n in ("first", "again", "other"))
+    assert all(first[p] for p in ("0.1", "0.2", "0.s3")), first
+    for process in ("0.1", "0.2", "0.s3"):
+        assert first[process] == again[process], process
+    assert first["0"] == again["0"]
+    assert first != other

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..hunt import hunt_line
+from .hunts import hunt_line
 
 HUNT_SCHEMA = "pytest-torchhang/hunt-summary"
 HUNT_SCHEMA_VERSION = 1

@@ -233,7 +233,9 @@ class Runner:
                 if self._zygote is not None:
                     self._zygote.close()
                 with self._pause_deadline():
-                    self._zygote = Zygote(self._child_env())
+                    # never stressed itself (a hunt's stressed run may start it): its
+                    # children are, through their request's environment
+                    self._zygote = Zygote(self._child_env({"PYTEST_TORCH_HANG_STRESS": None}))
             return self._zygote
 
     def start(

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from pytest_torchhang.diagnosis import frames
-from pytest_torchhang.hunt import base_id, run_number, signature, wilson
+from pytest_torchhang.hunt import base_id, run_number
+from pytest_torchhang.report.hunts import signature, wilson
 from pytest_torchhang.report.model import HangReport, Role
 
 from .conftest import RECORDED, RECORDING, recorded_ids

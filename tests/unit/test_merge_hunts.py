@@ -10,7 +10,7 @@ import pytest
 
 from pytest_torchhang import __main__ as cli
 from pytest_torchhang import hunt
-from pytest_torchhang.report import merge
+from pytest_torchhang.report import hunts, merge
 from pytest_torchhang.report.model import HangReport
 
 VIEWS_DATA = Path(__file__).parent / "recorded_views"
@@ -41,7 +41,7 @@ def test_two_machines_merge_into_one_count_with_each_signature_once(tmp_path: Pa
     write_hunt(tmp_path / "machine-a", "t.py::test_y", 3, {sig: [2]})
     write_hunt(tmp_path / "machine-b", "t.py::test_y", 3, {sig: [2]})
     (test,) = merge.merge([str(tmp_path / "machine-a"), str(tmp_path / "machine-b")])
-    assert test.line() == hunt.hunt_line("t.py::test_y", 2, 6, 1)
+    assert test.line() == hunts.hunt_line("t.py::test_y", 2, 6, 1)
     assert test.line().startswith("t.py::test_y: hung 2 of 6 runs (33.3%, 95% CI ")
     assert test.line().endswith(", 1 distinct signature")
     (seen,) = test.signatures.values()
@@ -141,5 +141,5 @@ def test_the_same_hang_elsewhere_has_the_same_signature() -> None:
         proc.pid += 1000 + n
         proc.cmdline = proc.cmdline.replace("/tmp/", "/home/runner/work/")
     there.processes[0].role = "pytest (xdist worker gw3)"
-    assert hunt.signature(there) == hunt.signature(here)
-    assert hunt._stable("f at /home/a/b/t.py:3 (pid 41) 0x7f3a") == "f at t.py:3 (pid ?) 0x?"
+    assert hunts.signature(there) == hunts.signature(here)
+    assert hunts._stable("f at /home/a/b/t.py:3 (pid 41) 0x7f3a") == "f at t.py:3 (pid ?) 0x?"

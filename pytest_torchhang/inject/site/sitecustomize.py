@@ -25,19 +25,16 @@ def _load(package_dir: str, name: str) -> object:
     return module
 
 
-def _stress() -> None:
-    """--torch-hang-hunt-stress: switch threads as often as possible, and start (and fork)
-    each process after a random pause of up to 5 ms, so races get more chances to show."""
-    import random
-    from time import sleep  # bound now: a fork's jitter must not call a test's patch of it
-
-    _sys.setswitchinterval(1e-6)
-
-    def jitter() -> None:
-        sleep(random.random() * 0.005)
-
-    jitter()
-    _os.register_at_fork(after_in_child=jitter)
+def _stressed(switch: str) -> bool:
+    """Whether this run is stressed (inject/stress.py's ``seed_from_env``, without loading it: a
+    plain run of a stressed hunt never does): a seed, or the hunt's switch file holding one."""
+    if not switch or switch.isdigit():
+        return bool(switch)
+    try:
+        with open(switch) as state:
+            return state.read(32).strip().isdigit()
+    except OSError:
+        return False
 
 
 def _note(hook: object, text: str) -> None:
@@ -73,9 +70,9 @@ def _torchhang_bootstrap() -> None:
         if _os.environ.get("PYTEST_TORCH_HANG_PROGRESS"):  # stall detection is armed
             step = "install its progress beats"
             _load(package_dir, "beats").install()  # type: ignore[attr-defined]
-        if _os.environ.get("PYTEST_TORCH_HANG_STRESS"):
+        if _stressed(_os.environ.get("PYTEST_TORCH_HANG_STRESS", "")):
             step = "start --torch-hang-hunt-stress"
-            _stress()
+            _load(package_dir, "stress").install_from_env(fresh=True)  # type: ignore[attr-defined]
     except Exception as exc:  # never break the child's start-up: say it instead
         _note(
             hook,
