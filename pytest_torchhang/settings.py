@@ -136,8 +136,7 @@ def _hunt_seed(config: pytest.Config) -> int | None:
         seed = -1
     if seed < 0:
         raise pytest.UsageError(
-            f"{HUNT_SEED_OPTION} must be a whole number >= 0 (a seed a hunt printed), "
-            f"got {value!r}"
+            f"{HUNT_SEED_OPTION} must be a whole number >= 0 (a seed a hunt printed), got {value!r}"
         )
     return seed
 

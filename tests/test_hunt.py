@@ -353,7 +353,10 @@ def test_a_seed_replays_the_same_schedule_in_every_process_and_another_seed_does
         record.mkdir()
         guarded.monkeypatch.setenv("PYTEST_TORCH_HANG_STRESS_RECORD", str(record))
         session = guarded.run(
-            "-p", "no:randomly", "--torch-hang-hunt=1", f"--torch-hang-hunt-seed={seed}",
+            "-p",
+            "no:randomly",
+            "--torch-hang-hunt=1",
+            f"--torch-hang-hunt-seed={seed}",
             timeout=30,
         )
         assert_outcomes(session.result, passed=1)

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 # Bound at import, out of reach of a test's patches of ``time`` (as inject/hook.py does).
 _sleep = functools.partial(time.sleep)
@@ -76,15 +76,32 @@ HORIZON = 64
 HEAVY_AFTER = tuple(
     f"{op}/after"
     for op in (
-        ".set", ".notify", ".notify_all", ".release", ".put", ".send", ".send_bytes",
-        ".__exit__", "Thread.start", "Store.set", "Store.add",
+        ".set",
+        ".notify",
+        ".notify_all",
+        ".release",
+        ".put",
+        ".send",
+        ".send_bytes",
+        ".__exit__",
+        "Thread.start",
+        "Store.set",
+        "Store.add",
     )
 )
 #: Reads of shared state wait longest: the other side must arrive within the gap.
 READ_AFTER = tuple(
     f"{op}/after"
-    for op in (".empty", ".qsize", ".is_set", ".poll", ".get_obj", ".__getitem__", "Value.get",
-               "Store.get")
+    for op in (
+        ".empty",
+        ".qsize",
+        ".is_set",
+        ".poll",
+        ".get_obj",
+        ".__getitem__",
+        "Value.get",
+        "Store.get",
+    )
 )
 READ, HEAVY, LIGHT = 3.0, 2.0, 0.5
 _WEIGHTS: dict[str, float] = {}
@@ -107,7 +124,7 @@ class _State:
     local: Any = None  # threading.local: this thread's schedule
     record_fd = -1
     record_dir = ""
-    patched: list[tuple[Any, str, Any]] = []  # (owner, name, original) for uninstall
+    patched: ClassVar[list[tuple[Any, str, Any]]] = []  # (owner, name, original) for uninstall
     fork_hook = False
     finder: Any = None
     switch = 0.0
@@ -467,7 +484,7 @@ class _Finder:
         spec = None
         for finder in sys.meta_path:  # the others first: the start-up hook's own finder
             find = getattr(finder, "find_spec", None)  # wraps init_process_group
-            if finder is cls or find is None:
+            if finder is cls or find is None:  # type: ignore[comparison-overlap]
                 continue
             spec = find(fullname, path, target)
             if spec is not None:

@@ -64,9 +64,7 @@ def rate(hangs: int, runs: int) -> str:
     """``hung 3 of 200 runs (1.5%, 95% CI 0.5%-4.3%)``."""
     low, high = wilson(hangs, runs)
     share = 100 * hangs / runs if runs else 0.0
-    return (
-        f"hung {hangs} of {runs} runs ({share:.1f}%, 95% CI {100 * low:.1f}%-{100 * high:.1f}%)"
-    )
+    return f"hung {hangs} of {runs} runs ({share:.1f}%, 95% CI {100 * low:.1f}%-{100 * high:.1f}%)"
 
 
 def hunt_line(test_id: str, hangs: int, runs: int, distinct: int) -> str:
