@@ -905,3 +905,16 @@ def uninstall() -> None:
     if _Registration.file is not None:
         _Registration.file.close()
         _Registration.file = None
+
+
+def stress_requested(switch: str) -> bool:
+    """Whether this run is stressed (inject/stress.py's ``seed_from_env``, without loading it: a
+    plain run of a stressed hunt never does): the variable holds a seed, or names the hunt's
+    switch file holding one."""
+    if not switch or switch.isdigit():
+        return bool(switch)
+    try:
+        with open(switch) as state:
+            return state.read(32).strip().isdigit()
+    except OSError:
+        return False

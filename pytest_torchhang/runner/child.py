@@ -93,22 +93,10 @@ def _arm_progress_and_stress() -> None:
     if os.environ.get(beats.PROGRESS_ENV):
         beats.look_again()  # the zygote looked when it started, maybe in another test
         beats.install()
-    if _stressed(os.environ.get("PYTEST_TORCH_HANG_STRESS", "")):  # stress.STRESS_ENV
+    if hook.stress_requested(os.environ.get("PYTEST_TORCH_HANG_STRESS", "")):  # STRESS_ENV
         from ..inject import stress
 
         stress.install_from_env(".r")  # its place: a child of the test's process
-
-
-def _stressed(switch: str) -> bool:
-    """Whether this run is stressed, without loading inject/stress.py (a plain run never does):
-    the variable holds a seed, or names the hunt's switch file holding one."""
-    if not switch or switch.isdigit():
-        return bool(switch)
-    try:
-        with open(switch) as state:
-            return state.read(32).strip().isdigit()
-    except OSError:
-        return False
 
 
 def _load_main(path: str) -> None:

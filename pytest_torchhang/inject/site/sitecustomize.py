@@ -25,18 +25,6 @@ def _load(package_dir: str, name: str) -> object:
     return module
 
 
-def _stressed(switch: str) -> bool:
-    """Whether this run is stressed (inject/stress.py's ``seed_from_env``, without loading it: a
-    plain run of a stressed hunt never does): a seed, or the hunt's switch file holding one."""
-    if not switch or switch.isdigit():
-        return bool(switch)
-    try:
-        with open(switch) as state:
-            return state.read(32).strip().isdigit()
-    except OSError:
-        return False
-
-
 def _note(hook: object, text: str) -> None:
     """Say what failed, for the hang report (``hook.child_note``, or its format by hand when
     ``hook`` itself could not be loaded)."""
@@ -70,7 +58,7 @@ def _torchhang_bootstrap() -> None:
         if _os.environ.get("PYTEST_TORCH_HANG_PROGRESS"):  # stall detection is armed
             step = "install its progress beats"
             _load(package_dir, "beats").install()  # type: ignore[attr-defined]
-        if _stressed(_os.environ.get("PYTEST_TORCH_HANG_STRESS", "")):
+        if hook.stress_requested(_os.environ.get("PYTEST_TORCH_HANG_STRESS", "")):  # type: ignore[attr-defined]
             step = "start --torch-hang-hunt-stress"
             _load(package_dir, "stress").install_from_env(fresh=True)  # type: ignore[attr-defined]
     except Exception as exc:  # never break the child's start-up: say it instead
