@@ -560,9 +560,11 @@ class _PerTestHooks:
     """The hooks that run for every test: registered only in sessions that can need them."""
 
     def __init__(self, state: SessionState) -> None:
-        from . import exceptions, session
+        from . import exceptions, fixtures, session
 
         self.state = state
+        self._fixtures = fixtures.WideFixtures(state)
+        state.pools = self._fixtures.pool_births
         # bound once: these hooks run for every test
         self._key = session.DEADLINE
         self._wait_s = session.PIPELINE_WAIT_S
@@ -604,11 +606,10 @@ class _PerTestHooks:
     ) -> Generator[None, object, object]:
         """Processes a module-, class- or session-scoped fixture starts are that fixture's:
         context for every test's hang and for the session's end, even when a test's setup
-        started them."""
-        if fixturedef.scope == "function" or self.state.current is None:
+        started them. A hang in its setup fails the setup (once: ``fixtures.py``)."""
+        if fixturedef.scope == "function":
             return (yield)
-        with self.state.fixture_processes():
-            return (yield)
+        return (yield from self._fixtures.setup(fixturedef, request))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, object, object]:
@@ -634,6 +635,7 @@ class _PerTestHooks:
         if name == "setup" and item.stash.get(_PHASED, None) is held:
             held = self._rerun(item, held)
         item.stash[_PHASED] = held
+        held.before_capture = self._fixtures.spare_pools  # whichever hook armed it
         watch: DebuggerWatch | None = item.stash.get(_DEBUGGER_WATCH, None)
         if watch is not None:
             watch.saw(sys.gettrace())  # this thread's: the watchdog's own is not the test's
@@ -675,18 +677,29 @@ class _PerTestHooks:
         guarded = held is not None or isinstance(raised, self._hang_error)
         if raised is not None and guarded and self._make_renderable(raised):
             call.excinfo = pytest.ExceptionInfo.from_exception(raised)
+        first = None
+        if isinstance(raised, self._hang_error) and raised.report is not None:
+            first = self._fixtures.reported_in(raised.report)
+            if first is not None and call.excinfo is not None:
+                self._fixtures.reraised(call.excinfo)  # a wider fixture's, re-raised by pytest
         report = yield
         fresh = held.take_reports(self._wait_s) if held is not None and held.fired else []
         if fresh:
             self._mark_hang(item, report, fresh[0])  # the first capture is the report
         elif isinstance(raised, self._hang_error) and raised.report is not None:
-            self._mark_hang(item, report, raised.report)  # from the fixture or an isolated test
+            if first is None:
+                self._mark_hang(item, report, raised.report)  # the fixture's, an isolated test's
+            else:  # a wider fixture's setup hung: pytest re-raises its failure, an error
+                report.sections.append(
+                    ("torch-hang", self._fixtures.reraised_note(raised.report, first))
+                )
         return report
 
     def _mark_hang(self, item: pytest.Item, report: pytest.TestReport, hang: HangReport) -> None:
         from .report import handoff
 
         handoff.mark_hang(item, report, hang, self.state.json_path(hang, item.nodeid))
+        self._fixtures.count(hang, item.nodeid)
         self.state.hangs.append((item.nodeid, hang.headline))
         hunter = _hunter(item.config)
         if hunter is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -59,6 +59,9 @@ class SessionState:
     leftovers: list[str] = field(default_factory=list)  # what was killed at the end, described
     notes: list[str] = field(default_factory=list)  # the guard's own troubles, said once
     subprocess_runner: client.Runner | None = None
+    #: the workers of pools that wider-scoped fixtures' values own now (``fixtures.py``): the
+    #: fixtures' to stop, not left running by the test during which they started
+    pools: Callable[[], Births] | None = None
     _boards: int = 0  # progress boards made so far: each test gets a new file
     _births_after: Births | None = None  # the last guarded test's closing snapshot
 
@@ -219,7 +222,10 @@ class SessionState:
 
         own = self.own_pids(start=False)
         now = tree.births(os.getpid(), self._monitor_pid())
-        self.started_by_tests |= {birth for birth in now - before if birth[0] not in own}
+        started = {birth for birth in now - before if birth[0] not in own}
+        if started and self.pools is not None:
+            started -= self.pools()
+        self.started_by_tests |= started
         self._births_after = now  # the next test's "before", if it follows at once
 
     @contextlib.contextmanager
