@@ -131,28 +131,29 @@ class WideFixtures:
         """``hang`` is reported, in ``nodeid``."""
         self._counted[id(hang)] = (weakref.ref(hang), nodeid)
 
-    def reported_in(self, hang: HangReport) -> str | None:
-        """The test ``hang`` was reported in already (pytest re-raises a cached setup error)."""
+    def reraised(
+        self, raised: BaseException | None, excinfo: pytest.ExceptionInfo[BaseException] | None
+    ) -> tuple[str, str] | None:
+        """When ``raised`` is a hang reported already (pytest re-raises a wider fixture's
+        failed setup in every later test that uses it): the section that says where it was
+        reported, for a plain setup error; its traceback then shows the fixture's frames, not
+        the plugin's hooks it passed through. Else None."""
+        if not isinstance(raised, HangError) or raised.report is None:
+            return None
+        hang = raised.report
         known = self._counted.get(id(hang))
         if known is None or known[0]() is not hang:
             return None
-        return known[1]
-
-    def reraised(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
-        """A later test's setup error re-raises a wider fixture's hang: its traceback shows the
-        fixture's frames, not the plugin's hooks it passed through on its way to pytest."""
-        theirs = excinfo.traceback.filter(
-            lambda entry: not str(entry.path).startswith(_PACKAGE_DIR)
-        )
-        if theirs:
-            excinfo.traceback = theirs
-
-    def reraised_note(self, hang: HangReport, first: str) -> str:
-        """What a later test's setup error says about the hang it re-raises."""
+        if excinfo is not None:
+            theirs = excinfo.traceback.filter(
+                lambda entry: not str(entry.path).startswith(_PACKAGE_DIR)
+            )
+            if theirs:
+                excinfo.traceback = theirs
         origin = self._origins.get(id(hang))
         what = f"the {origin[1]}-scoped fixture '{origin[0]}'" if origin else "a fixture"
-        return (
-            f"{what} hung in the setup of {first}: that hang is reported there, once. pytest "
+        return "torch-hang", (
+            f"{what} hung in the setup of {known[1]}: that hang is reported there, once. pytest "
             "re-raises the failure of a fixture's setup in every later test that uses it: "
             "this test did not run, and did not hang"
         )

@@ -564,7 +564,7 @@ class _PerTestHooks:
 
         self.state = state
         self._fixtures = fixtures.WideFixtures(state)
-        state.pools = self._fixtures.pool_births
+        state.pools, state.before_capture = self._fixtures.pool_births, self._fixtures.spare_pools
         # bound once: these hooks run for every test
         self._key = session.DEADLINE
         self._wait_s = session.PIPELINE_WAIT_S
@@ -635,7 +635,6 @@ class _PerTestHooks:
         if name == "setup" and item.stash.get(_PHASED, None) is held:
             held = self._rerun(item, held)
         item.stash[_PHASED] = held
-        held.before_capture = self._fixtures.spare_pools  # whichever hook armed it
         watch: DebuggerWatch | None = item.stash.get(_DEBUGGER_WATCH, None)
         if watch is not None:
             watch.saw(sys.gettrace())  # this thread's: the watchdog's own is not the test's
@@ -677,22 +676,16 @@ class _PerTestHooks:
         guarded = held is not None or isinstance(raised, self._hang_error)
         if raised is not None and guarded and self._make_renderable(raised):
             call.excinfo = pytest.ExceptionInfo.from_exception(raised)
-        first = None
-        if isinstance(raised, self._hang_error) and raised.report is not None:
-            first = self._fixtures.reported_in(raised.report)
-            if first is not None and call.excinfo is not None:
-                self._fixtures.reraised(call.excinfo)  # a wider fixture's, re-raised by pytest
+        # a wider fixture's hang that pytest re-raises from its cache: a setup error, not a hang
+        reraised = self._fixtures.reraised(raised, call.excinfo)
         report = yield
         fresh = held.take_reports(self._wait_s) if held is not None and held.fired else []
         if fresh:
             self._mark_hang(item, report, fresh[0])  # the first capture is the report
+        elif reraised is not None:
+            report.sections.append(reraised)
         elif isinstance(raised, self._hang_error) and raised.report is not None:
-            if first is None:
-                self._mark_hang(item, report, raised.report)  # the fixture's, an isolated test's
-            else:  # a wider fixture's setup hung: pytest re-raises its failure, an error
-                report.sections.append(
-                    ("torch-hang", self._fixtures.reraised_note(raised.report, first))
-                )
+            self._mark_hang(item, report, raised.report)  # from the fixture or an isolated test
         return report
 
     def _mark_hang(self, item: pytest.Item, report: pytest.TestReport, hang: HangReport) -> None:

@@ -17,7 +17,7 @@ from . import clock, deadline, settings
 # timeout never pays for them), and the cold path (psutil, the capture, the diagnosis, the
 # report's rendering, the runner) only when it is used: most sessions never capture anything.
 if TYPE_CHECKING:
-    from .capture.target import Births
+    from .capture.target import Births, CaptureTarget
     from .inject import beats
     from .monitor.client import MonitorClient
     from .report.model import HangReport
@@ -62,6 +62,8 @@ class SessionState:
     #: the workers of pools that wider-scoped fixtures' values own now (``fixtures.py``): the
     #: fixtures' to stop, not left running by the test during which they started
     pools: Callable[[], Births] | None = None
+    #: given to every deadline: at a fire, marks those workers as spared (``fixtures.py``)
+    before_capture: Callable[[CaptureTarget], None] | None = None
     _boards: int = 0  # progress boards made so far: each test gets a new file
     _births_after: Births | None = None  # the last guarded test's closing snapshot
 
@@ -166,6 +168,7 @@ class SessionState:
         if worker:
             target.root_role = f"pytest (xdist worker {worker})"
         held = TestDeadline(target, state, threading.get_ident(), item=item)
+        held.before_capture = self.before_capture
         if stall_s > 0:
             held.board = self._progress_board()
         item.stash[DEADLINE] = held
