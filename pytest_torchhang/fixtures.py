@@ -18,6 +18,7 @@ raised, and hands it to every later test of its scope. Three things follow for a
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing.process
 import os
 import sys
@@ -177,8 +178,13 @@ class WideFixtures:
             return
         from .capture import tree
 
-        target.spare = target.spare | tree.births_below(owners)
-        names = sorted({owner for owner in owners.values()})
+        # those that started before the test are context already: the note is of the others
+        spare = tree.births_below(owners) - (target.before or frozenset())
+        owners = {pid: owner for pid, owner in owners.items() if any(pid == p for p, _ in spare)}
+        if not owners:
+            return
+        target.spare = target.spare | spare
+        names = sorted(set(owners.values()))
         target.spare_note = (
             f"spared {len(owners)} worker process(es) {sorted(owners)} and what they started: "
             f"the workers of {', '.join(names)}, which outlive this test (the next test uses "
@@ -298,13 +304,14 @@ def _workers_of(obj: object, loader_type: type | None) -> tuple[str, list[object
 
 
 def _items(obj: object) -> list[object]:
-    """The items of a builtin container (a dict's values), read as the builtin type reads them
-    (a subclass's own methods are not called); [] for anything else."""
+    """The first ``SEARCH_OBJECTS`` items of a builtin container (a dict's values), read as the
+    builtin type reads them (a subclass's own methods are not called); [] for anything else."""
     kind = type(obj)
     if kind in (list, tuple, set, frozenset):
-        return list(cast("list[object]", obj))
+        return list(itertools.islice(cast("list[object]", obj), SEARCH_OBJECTS))
     if kind is dict:
-        return list(dict.values(cast("dict[object, object]", obj)))
+        values = dict.values(cast("dict[object, object]", obj))
+        return list(itertools.islice(values, SEARCH_OBJECTS))
     return []
 
 
