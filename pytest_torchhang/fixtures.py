@@ -56,7 +56,7 @@ class WideFixtures:
         #: hangs already reported, by id: (the report, weakly; the test it was reported in)
         self._counted: dict[int, tuple[weakref.ref[HangReport], str]] = {}
         #: hangs raised by a wider fixture's setup, by id of the report: (fixture, scope)
-        self._origins: dict[int, tuple[str, str]] = {}
+        self._origins: dict[int, tuple[weakref.ref[HangReport], str, str]] = {}
 
     # --- a hang during a wider fixture's setup --------------------------------------------------
 
@@ -117,7 +117,10 @@ class WideFixtures:
         the result, and an interrupt may have landed after that); with ``replace``, not the
         failure the kill caused either."""
         if isinstance(exc, HangError) and exc.report is not None:
-            self._origins.setdefault(id(exc.report), (fixturedef.argname, fixturedef.scope))
+            known = self._origins.get(id(exc.report))
+            if known is None or known[0]() is not exc.report:  # the innermost fixture's, first
+                origin = (weakref.ref(exc.report), fixturedef.argname, fixturedef.scope)
+                self._origins[id(exc.report)] = origin
         cached = fixturedef.cached_result
         if cached is not None and cached[2] is not None and not replace:
             return  # pytest cached the setup's own failure
@@ -152,7 +155,10 @@ class WideFixtures:
             if theirs:
                 excinfo.traceback = theirs
         origin = self._origins.get(id(hang))
-        what = f"the {origin[1]}-scoped fixture '{origin[0]}'" if origin else "a fixture"
+        if origin is not None and origin[0]() is hang:
+            what = f"the {origin[2]}-scoped fixture '{origin[1]}'"
+        else:
+            what = "a fixture"
         return "torch-hang", (
             f"{what} hung in the setup of {known[1]}: that hang is reported there, once. pytest "
             "re-raises the failure of a fixture's setup in every later test that uses it: "
