@@ -26,9 +26,17 @@ def stuck():
     threading.Event().wait()  # never set: the fixture's setup hangs
 
 
+@pytest.fixture
+def through(stuck):
+    return stuck
+
+
 class TestUsers:
     @pytest.mark.parametrize("i", range(3))
     def test_uses(self, stuck, i):
+        pass
+
+    def test_uses_it_through_another_fixture(self, through):
         pass
 
 
@@ -46,11 +54,15 @@ def test_a_hang_in_a_wider_fixtures_setup_counts_once(
     session = guarded.run("-p", "no:randomly", f"--torch-hang-report-dir={reports}", timeout=2)
     # one hang, in the setup of the first test that used it; the later ones get pytest's
     # setup error for that fixture, and the test that does not use it passes
-    assert_outcomes(session.result, passed=1, errors=2, hang=1)
+    assert_outcomes(session.result, passed=1, errors=3, hang=1)
     assert_hang(session, "TestUsers.test_uses[0]", "*in stuck*")
     assert len(list(reports.glob("*.json"))) == 1, sorted(reports.iterdir())
     out = session.result.stdout.str()
-    for later in ("TestUsers.test_uses[1]", "TestUsers.test_uses[2]"):
+    for later in (
+        "TestUsers.test_uses[1]",
+        "TestUsers.test_uses[2]",
+        "TestUsers.test_uses_it_through_another_fixture",
+    ):
         error = session.report_of(later)
         assert error.lstrip("_ ").startswith(f"ERROR at setup of {later}"), error
         assert (
