@@ -125,7 +125,8 @@ class WideFixtures:
         if cached is not None and cached[2] is not None and not replace:
             return  # pytest cached the setup's own failure
         # FixtureDef.cached_result: (value, cache key, (exception, traceback) or None), as
-        # pytest's own pytest_fixture_setup writes it (pytest 8 and 9)
+        # pytest's own pytest_fixture_setup writes it since pytest 8.3 (pytest#12264), the
+        # oldest this plugin supports
         key = fixturedef.cache_key(request)  # type: ignore[arg-type]
         fixturedef.cached_result = (None, key, (exc, exc.__traceback__))
 
