@@ -187,7 +187,8 @@ class WideFixtures:
 
         # those that started before the test are context already: the note is of the others
         spare = tree.births_below(owners) - (target.before or frozenset())
-        owners = {pid: owner for pid, owner in owners.items() if any(pid == p for p, _ in spare)}
+        spared = {pid for pid, _ in spare}
+        owners = {pid: owner for pid, owner in owners.items() if pid in spared}
         if not owners:
             return
         target.spare = target.spare | spare

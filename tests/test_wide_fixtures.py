@@ -45,13 +45,23 @@ def test_does_not_use_it():
 """
 
 
-@pytest.mark.parametrize("scope", ["session", "module", "class"])
+@pytest.mark.parametrize(
+    ("scope", "option"),
+    [
+        ("session", "--torch-hang-timeout=2"),
+        ("module", "--torch-hang-timeout=2"),
+        ("class", "--torch-hang-timeout=2"),
+        ("session", "--timeout=2"),  # pytest-timeout's deadline, taken over
+    ],
+)
 def test_a_hang_in_a_wider_fixtures_setup_counts_once(
-    guarded: GuardedRunner, tmp_path: Path, scope: str
+    guarded: GuardedRunner, tmp_path: Path, scope: str, option: str
 ) -> None:
     guarded.pytester.makepyfile(test_hung_setup=HUNG_SETUP.format(scope=scope))
     reports = tmp_path / "reports"
-    session = guarded.run("-p", "no:randomly", f"--torch-hang-report-dir={reports}", timeout=2)
+    session = guarded.run(
+        "-p", "no:randomly", option, f"--torch-hang-report-dir={reports}", timeout=None
+    )
     # one hang, in the setup of the first test that used it; the later ones get pytest's
     # setup error for that fixture, and the test that does not use it passes
     assert_outcomes(session.result, passed=1, errors=3, hang=1)
