@@ -560,9 +560,11 @@ class _PerTestHooks:
     """The hooks that run for every test: registered only in sessions that can need them."""
 
     def __init__(self, state: SessionState) -> None:
-        from . import exceptions, session
+        from . import exceptions, fixtures, session
 
         self.state = state
+        self._fixtures = fixtures.WideFixtures(state)
+        state.pools, state.before_capture = self._fixtures.pool_births, self._fixtures.spare_pools
         # bound once: these hooks run for every test
         self._key = session.DEADLINE
         self._wait_s = session.PIPELINE_WAIT_S
@@ -604,11 +606,10 @@ class _PerTestHooks:
     ) -> Generator[None, object, object]:
         """Processes a module-, class- or session-scoped fixture starts are that fixture's:
         context for every test's hang and for the session's end, even when a test's setup
-        started them."""
-        if fixturedef.scope == "function" or self.state.current is None:
+        started them. A hang in its setup fails the setup (once: ``fixtures.py``)."""
+        if fixturedef.scope == "function":
             return (yield)
-        with self.state.fixture_processes():
-            return (yield)
+        return (yield from self._fixtures.setup(fixturedef, request))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, object, object]:
@@ -675,10 +676,14 @@ class _PerTestHooks:
         guarded = held is not None or isinstance(raised, self._hang_error)
         if raised is not None and guarded and self._make_renderable(raised):
             call.excinfo = pytest.ExceptionInfo.from_exception(raised)
+        # a wider fixture's hang that pytest re-raises from its cache: a setup error, not a hang
+        reraised = self._fixtures.reraised(raised, call.excinfo)
         report = yield
         fresh = held.take_reports(self._wait_s) if held is not None and held.fired else []
         if fresh:
             self._mark_hang(item, report, fresh[0])  # the first capture is the report
+        elif reraised is not None:
+            report.sections.append(reraised)
         elif isinstance(raised, self._hang_error) and raised.report is not None:
             self._mark_hang(item, report, raised.report)  # from the fixture or an isolated test
         return report
@@ -687,6 +692,7 @@ class _PerTestHooks:
         from .report import handoff
 
         handoff.mark_hang(item, report, hang, self.state.json_path(hang, item.nodeid))
+        self._fixtures.count(hang, item.nodeid)
         self.state.hangs.append((item.nodeid, hang.headline))
         hunter = _hunter(item.config)
         if hunter is not None:

@@ -127,6 +127,7 @@ def _tear_down() -> None:
 
 
 def _on_interrupt(signum: int, frame: FrameType | None) -> None:
+    __tracebackhide__ = True  # a re-raised HangError (a wider fixture's) shows the user's frames
     for receiver in reversed(list(_Shared.users)):  # the innermost session first
         exc = receiver()
         if exc is not None:

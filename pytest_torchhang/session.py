@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,7 +17,7 @@ from . import clock, deadline, settings
 # timeout never pays for them), and the cold path (psutil, the capture, the diagnosis, the
 # report's rendering, the runner) only when it is used: most sessions never capture anything.
 if TYPE_CHECKING:
-    from .capture.target import Births
+    from .capture.target import Births, CaptureTarget
     from .inject import beats
     from .monitor.client import MonitorClient
     from .report.model import HangReport
@@ -59,6 +59,11 @@ class SessionState:
     leftovers: list[str] = field(default_factory=list)  # what was killed at the end, described
     notes: list[str] = field(default_factory=list)  # the guard's own troubles, said once
     subprocess_runner: client.Runner | None = None
+    #: the workers of pools that wider-scoped fixtures' values own now (``fixtures.py``): the
+    #: fixtures' to stop, not left running by the test during which they started
+    pools: Callable[[], Births] | None = None
+    #: given to every deadline: at a fire, marks those workers as spared (``fixtures.py``)
+    before_capture: Callable[[CaptureTarget], None] | None = None
     _boards: int = 0  # progress boards made so far: each test gets a new file
     _births_after: Births | None = None  # the last guarded test's closing snapshot
 
@@ -163,6 +168,7 @@ class SessionState:
         if worker:
             target.root_role = f"pytest (xdist worker {worker})"
         held = TestDeadline(target, state, threading.get_ident(), item=item)
+        held.before_capture = self.before_capture
         if stall_s > 0:
             held.board = self._progress_board()
         item.stash[DEADLINE] = held
@@ -219,7 +225,10 @@ class SessionState:
 
         own = self.own_pids(start=False)
         now = tree.births(os.getpid(), self._monitor_pid())
-        self.started_by_tests |= {birth for birth in now - before if birth[0] not in own}
+        started = {birth for birth in now - before if birth[0] not in own}
+        if started and self.pools is not None:
+            started -= self.pools()
+        self.started_by_tests |= started
         self._births_after = now  # the next test's "before", if it follows at once
 
     @contextlib.contextmanager

@@ -73,6 +73,9 @@ class TestDeadline:
     #: asked when a deadline comes due: a note when a debugger holds the test (pytest-timeout's
     #: rule, ``debuggers.py``), else None; None: detection is off
     debugger: Callable[[], str | None] | None = None
+    #: called with the target at a fire, before the capture: marks what the tree holds for
+    #: wider-scoped fixtures (``target.spare``), to be captured but not killed
+    before_capture: Callable[[CaptureTarget], None] | None = None
     #: The watchdog's one door: called (without the lock) after another thread queued an action
     #: or moved the wake earlier, so that no change waits for a wake nobody scheduled.
     door: Callable[[TestDeadline], None] | None = field(default=None, repr=False)
@@ -495,6 +498,11 @@ class Watchdog:
         target.exclude |= self._own_pids()
         with held.locked():
             target.extra_roots = [pid for pids in held.call_children.values() for pid in pids]
+        if held.before_capture is not None:
+            try:
+                held.before_capture(target)
+            except Exception as exc:  # the tree is still captured and killed, as before
+                self._errors.append(f"pytest-torchhang could not read fixtures' pools: {exc!r}")
         skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
         try:
             forget_torn_out_modules()

@@ -46,6 +46,7 @@ NEEDS_TORCH = (
     "tests/test_fault_matrix.py::test_the_zygote_start_up",
     "tests/test_fixture_env.py::",
     "tests/test_ownership.py::test_module_scoped_persistent_workers",
+    "tests/test_wide_fixtures.py::test_persistent_dataloader_workers",
     "tests/test_reports.py::test_junit_xml_json_files",
     "tests/test_reports.py::test_under_xdist_the_controller",
     "tests/test_reports.py::test_the_report_and_json_carry_wait_for_edges",

@@ -38,6 +38,8 @@ CONTEXT_ROLE = "started before this test"
 CONTEXT_STATUS = (
     "context only: it was running before this test began, so it is neither signalled nor killed"
 )
+#: How the workers of a pool that a wider fixture owns are shown: with their stacks, never killed.
+KEPT_ROLE = "fixture-owned worker"
 #: Environment variables read from each process (roles of ranks).
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
 
@@ -208,7 +210,9 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     # Before the diagnosis, which may read them: a traceback there often says the cause.
     fill_stderr_tails(target.dump_dir, reports, began)
     gone = gone_stderr_tails(target.dump_dir, {r.pid for r in reports}, began)
+    reports, kept = _set_apart(target, reports)
     report = _explain(target, elapsed, reports, notes)
+    report.processes += kept
     report.gone_stderr = gone
     context_facts = _context_facts(context, seen.now, reader)
     fill_stderr_tails(target.dump_dir, context_facts, began)
@@ -508,6 +512,22 @@ def gone_stderr_tails(dump_dir: str | None, known: set[int], since: float) -> li
     return sorted((tail for _, tail in found[:MAX_GONE_STDERR]), key=lambda t: t.pid)
 
 
+def _set_apart(
+    target: CaptureTarget, reports: list[ProcessReport]
+) -> tuple[list[ProcessReport], list[ProcessReport]]:
+    """(the test's, the kept): the workers of a wider fixture's pool (``target.spare``) are
+    shown with their stacks for context, as what the test did not start is, and left out of
+    the diagnosis, which judges the test's own processes."""
+    if not target.spare:
+        return reports, []
+    pids = {pid for pid, _ in target.spare}
+    kept = [r for r in reports if r.pid in pids]
+    for report in kept:
+        report.role = f"{KEPT_ROLE} ({report.role})" if report.role else KEPT_ROLE
+        report.role_facts = Role.parse(report.role)
+    return [r for r in reports if r.pid not in pids], kept
+
+
 def _context_facts(
     context: list[psutil.Process], now: float, reader: procfs.ProcReader
 ) -> list[ProcessReport]:
@@ -565,12 +585,15 @@ def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
     """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
     started = clock.monotonic()
     if target.roots is None:
+        kept = target.before or frozenset()
         result = kill_tree(
             target.root_pid,
             exclude=target.exclude,
             include_root=target.kill_root,
-            before=target.before,
+            before=kept | target.spare if target.spare else target.before,
         )
+        if target.spare and report is not None:
+            report.notes.append(target.spare_note)
     else:
         result = KillResult()
         for root in target.roots:

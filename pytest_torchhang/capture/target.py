@@ -40,3 +40,9 @@ class CaptureTarget:
     #: The root's descendants when the test began: they, and what they start, are reported for
     #: context and never signalled (a session fixture's server is not the hung test's).
     before: Births | None = None
+    #: Processes of the tree that are captured (stacks and all) but never signalled to die: the
+    #: workers of a pool that a wider-scoped fixture's value owns (a DataLoader's
+    #: ``persistent_workers``), which the next test uses. Set at the fire (``fixtures.py``).
+    spare: Births = frozenset()
+    #: What ``spare`` is, said in the report's notes when they are spared.
+    spare_note: str = ""

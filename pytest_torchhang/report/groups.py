@@ -17,7 +17,14 @@ from .model import Collective, Frame, ProcessReport, ThreadStack
 
 #: Roles of processes that wait by design (helpers) or that the test did not start (context):
 #: they come last, whatever their stacks.
-HELPERS = ("resource_tracker", "forkserver", "torch_shm_manager", "zygote", "started before")
+HELPERS = (
+    "resource_tracker",
+    "forkserver",
+    "torch_shm_manager",
+    "zygote",
+    "started before",
+    "fixture-owned worker",
+)
 #: Names of the plugin's own threads (the watchdog, the /proc reader, the launcher, the
 #: flight-recorder listener, bounded calls).
 PLUGIN_THREAD_NAMES = ("torchhang-", "torch-hang ", "pytest-torchhang ")

@@ -15,6 +15,7 @@ from .model import HangReport
 #: Roles that wait by design, and processes the test did not start: never part of a signature.
 NOT_STUCK = (
     "started before this test",
+    "fixture-owned worker",
     "resource_tracker",
     "forkserver",
     "torch_shm_manager",
