@@ -280,6 +280,9 @@ LABELS: dict[str, Label] = {
     "test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock": _label(
         "deadlock", "fcntl.flock", "AsyncResult.get()", role="multiprocessing child"
     ),
+    "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock": _label(
+        "deadlock", "Process.join()", "fcntl.flock", role="multiprocessing child"
+    ),
     # distributed: gloo ranks
     "test_distributed_ddp_uneven_inputs": _label(
         "collectives", "rank 1/2 in barrier", "Flight recorder", "from DDP's forward", role="rank"

@@ -21,6 +21,7 @@ SCENARIOS = (Path(__file__).parent / "corpus" / "corpus_startup.py").read_text()
 LOADER = "test_startup_spawned_loader_worker_imports_a_module_that_waits_for_the_tests_lock"
 SPAWN_POOL = "test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock"
 FORK_POOL = "test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock"
+SCRIPT = "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock"
 #: The frames of a spawned child blocked at the import of the test module, innermost first.
 REIMPORT_FRAMES = [
     '*File "*test_startup.py", line *, in <module>',
@@ -53,7 +54,7 @@ def test_blocked_start_ups_show_their_start_up_frames_and_are_not_called_startin
     guarded.pytester.makepyfile(test_startup=SCENARIOS)
     # each scenario sets its own deadline (a spawned DataLoader worker imports torch first)
     session = guarded.run(timeout=3, wait_s=300)
-    assert_outcomes(session.result, hang=3)
+    assert_outcomes(session.result, hang=4)
 
     # (a) the spawned DataLoader worker, blocked importing the test module on the test's lock
     report = assert_hang(
@@ -107,3 +108,22 @@ def test_blocked_start_ups_show_their_start_up_frames_and_are_not_called_startin
     ], block
     assert "multiprocessing's start-up frames cut" not in block
     _assert_not_starting(report)
+
+    # (c) a script's spawned child runs the script's top level again (spawn's prepare, runpy),
+    # which waits for the lock the script's main block holds while it joins the child
+    report = assert_hang(
+        session,
+        SCRIPT,
+        "*multiprocessing child (importing) (pid *): * -> while spawn re-imports train",
+        '*File "*train.py", line *, in <module>',
+        "*fcntl.flock(cache, fcntl.LOCK_SH)",
+        "*, in run_path",
+        '*File "*multiprocessing/spawn.py", line *, in _fixup_main_from_path',
+        '*File "*multiprocessing/spawn.py", line *, in prepare',
+        '*File "*multiprocessing/spawn.py", line *, in _main',
+        '*File "*multiprocessing/spawn.py", line *, in spawn_main',
+        "*hint: deadlock:*Process.join()*fcntl.flock(cache, fcntl.LOCK_SH)*",
+    )
+    _assert_not_starting(report)
+    assert "multiprocessing's start-up frames cut" not in report
+    session.assert_clean()

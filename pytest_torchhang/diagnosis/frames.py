@@ -111,11 +111,15 @@ def innermost(proc: ProcessReport, pred: Callable[[Frame], bool]) -> Frame | Non
 
 
 def importing(proc: ProcessReport) -> bool:
-    """The main thread is importing a module (a spawn child still starting up)."""
+    """The main thread is importing a module (a spawn child still starting up), or running the
+    main module's top level again as spawn does (``runpy``, with no importlib frame)."""
     main = main_thread(proc)
-    return main is not None and any(
-        f.filename == "<frozen importlib._bootstrap>" and f.name == "_find_and_load"
-        for f in main.frames
+    return main is not None and (
+        any(
+            f.filename == "<frozen importlib._bootstrap>" and f.name == "_find_and_load"
+            for f in main.frames
+        )
+        or bool(reimports(main.frames))
     )
 
 

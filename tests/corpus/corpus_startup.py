@@ -4,6 +4,8 @@ again, a Pool that replaces its workers), where the start-up frames are the evid
 import fcntl
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -68,6 +70,43 @@ def test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock():
         assert pool.apply(_lookup, (2,)) == 2
 
 
+#: A training script run by the test: its spawned children run its top level again, as
+#: ``__mp_main__``, and the top level waits for the cache that the script's main block writes.
+SCRIPT = """
+import fcntl
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+with open(os.environ["CACHE_LOCK"], "a") as cache:  # wait for the cache writer
+    fcntl.flock(cache, fcntl.LOCK_SH)
+    fcntl.flock(cache, fcntl.LOCK_UN)
+
+
+def train():
+    pass
+
+
+if __name__ == "__main__":
+    with open(os.environ["CACHE_LOCK"], "w") as cache:
+        fcntl.flock(cache, fcntl.LOCK_EX)  # writing the cache while the trainer runs
+        trainer = mp.get_context("spawn").Process(target=train)
+        trainer.start()
+        trainer.join()
+"""
+
+
+@pytest.mark.torch_hang(timeout=6)
+def test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "CACHE_LOCK": str(tmp_path / "cache.lock")}
+    subprocess.run([sys.executable, str(script)], env=env, check=True)
+
+
+# Last: its maintenance thread stays blocked in the pytest process after the kill (the
+# pipe it writes to has its read end open in that process too).
 def _init(table):
     assert len(table) > 0
 

@@ -108,6 +108,7 @@ CHOSEN = (
     "test_startup_spawned_loader_worker_imports_a_module_that_waits_for_the_tests_lock",
     "test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock",
     "test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock",
+    "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock",
     # a stall: no progress for the stall time (tests/test_stall.py)
     "test_freezes_in_its_third_epoch",
     # gloo ranks

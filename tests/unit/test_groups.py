@@ -187,8 +187,9 @@ F: dict[str, tuple[str, str, str]] = {
     "exec": ("<frozen importlib._bootstrap_external>", "exec_module", ""),
     "load": (BOOT, "_load_unlocked", ""),
     "find": (BOOT, "_find_and_load", ""),
-    "run_code": (f"{SITE}/runpy.py", "_run_code", "exec(code, run_globals)"),
-    "run_path": (f"{SITE}/runpy.py", "run_path", "return _run_module_code(code, init_globals,"),
+    "run_code": ("<frozen runpy>", "_run_code", ""),
+    "run_module_code": ("<frozen runpy>", "_run_module_code", ""),
+    "run_path": ("<frozen runpy>", "run_path", ""),
     "fixup": (f"{MP}/spawn.py", "_fixup_main_from_path", "main_content = runpy.run_path("),
     "prepare": (f"{MP}/spawn.py", "prepare", "_fixup_main_from_path(data['init_main_from_path'])"),
     "unpickle": (f"{MP}/spawn.py", "_main", "self = reduction.pickle.load(from_parent)"),
@@ -271,7 +272,7 @@ CUTS = [
     # the stuck frame is inside the start-up: every frame is the evidence
     (
         "spawn re-imports the main module (a script)",
-        "script run_code run_path fixup prepare prepare_main spawn_main string",
+        "script run_code run_module_code run_path fixup prepare prepare_main spawn_main string",
         "all",
     ),
     (
@@ -287,7 +288,7 @@ CUTS = [
     ),
     (
         "the forkserver preloads the main module",
-        "script run_code run_path fixup import_main fs_preload string",
+        "script run_code run_module_code run_path fixup import_main fs_preload string",
         "all",
     ),
     (
@@ -330,7 +331,7 @@ def test_the_start_up_is_cut_only_where_it_says_nothing_of_the_stuck_frame(
 #: (the stack, what the headline says of a child stuck in it).
 REIMPORTS = [
     (
-        "script run_code run_path fixup prepare prepare_main spawn_main string",
+        "script run_code run_module_code run_path fixup prepare prepare_main spawn_main string",
         "while spawn re-imports train",
     ),
     ("flock exec load find unpickle spawn_main string", "while spawn re-imports test_x"),
@@ -491,3 +492,29 @@ def test_a_pool_worker_forked_by_the_maintenance_thread_keeps_its_fork_history()
     assert "multiprocessing's start-up frames cut" not in block
     (group,) = [g for g in groups.group_processes(hang.processes) if child in g.processes]
     assert group.where == "_handle_workers -> pool._maintain_pool -> _read_the_cache"
+
+
+def test_a_scripts_spawned_child_shows_spawn_running_the_scripts_top_level_again() -> None:
+    from pytest_torchhang.diagnosis import frames
+
+    hang = corpus(
+        "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock"
+    )
+    (child,) = [p for p in hang.processes if p.role.startswith("multiprocessing child")]
+    block = _block(hang.to_text(), child.pid)
+    shown = re.findall(r", in (\S+)\n", block)
+    assert shown == [
+        "<module>",  # train.py, at its flock
+        "_run_code",
+        "_run_module_code",
+        "run_path",
+        "_fixup_main_from_path",
+        "prepare",
+        "_main",
+        "spawn_main",
+        "<module>",  # the -c command line
+    ], block
+    assert "fcntl.flock(cache, fcntl.LOCK_SH)" in block
+    assert frames.stuck_at(child) == "while spawn re-imports train"
+    (group,) = [g for g in groups.group_processes(hang.processes) if child in g.processes]
+    assert group.line().endswith("-> while spawn re-imports train")
