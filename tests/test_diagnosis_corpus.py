@@ -270,6 +270,19 @@ LABELS: dict[str, Label] = {
         "release it before joining",
         role="target=_handle",
     ),
+    # inside multiprocessing's start-up (corpus_startup.py): blocked, never "still starting"
+    "test_startup_spawned_loader_worker_imports_a_module_that_waits_for_the_tests_lock": _label(
+        "deadlock", "fcntl.flock", "DataLoader's _try_get_data", role="multiprocessing child"
+    ),
+    "test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock": _label(
+        "nobody", "with CACHE:", "threads are not copied by fork", role="Pool worker"
+    ),
+    "test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock": _label(
+        "deadlock", "fcntl.flock", "AsyncResult.get()", role="multiprocessing child"
+    ),
+    "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock": _label(
+        "deadlock", "Process.join()", "fcntl.flock", role="multiprocessing child"
+    ),
     # distributed: gloo ranks
     "test_distributed_ddp_uneven_inputs": _label(
         "collectives", "rank 1/2 in barrier", "Flight recorder", "from DDP's forward", role="rank"
@@ -358,7 +371,8 @@ def _scenarios() -> dict[str, str]:
 #: without torch), but beside the rest of the suite a worker forked at 2 s could still be
 #: starting (seen: a worker using CPU at the capture, told "busy"): 3 s leaves the margin;
 #: gloo ranks first meet through their store and build DDP models.
-DEADLINE_S = {"loading": 3.0, "sharing": 3.0, "distributed": 3.0, "waits": 3.0}
+#: The start-up scenarios set their own (a spawned DataLoader worker imports torch first).
+DEADLINE_S = {"loading": 3.0, "sharing": 3.0, "distributed": 3.0, "waits": 3.0, "startup": 3.0}
 
 #: Scenarios run per inner session: each hangs until its deadline, so a chunk takes about
 #: half a minute and pytest-xdist spreads the chunks over its workers, while each session's

@@ -143,15 +143,17 @@ def test_a_rank_gone_while_its_peer_waits_in_a_collective_is_named(guarded: Guar
 STILL_STARTING = """
 import multiprocessing as mp
 import os
-import threading
 
 import torch
 
 if os.environ.get("STILL_STARTING_CHILD"):
-    # in the spawned child, importing this module never ends (as an import that waits on a
-    # lock or a network filesystem): it is importing at the deadline on any machine. (Not
-    # mp.parent_process(): a spawned child sets it only after it has imported its target.)
-    threading.Event().wait()
+    # in the spawned child, importing this module computes for longer than any deadline (as
+    # an import that builds a large table): it is importing, and moving, at the deadline on
+    # any machine. (Not mp.parent_process(): a spawned child sets it only after it has
+    # imported its target.) One blocked in its import is not "still starting": see
+    # tests/test_startup_hangs.py.
+    while True:
+        sum(range(10_000))
 
 
 def work():

@@ -10,6 +10,7 @@ import sysconfig
 from collections.abc import Callable
 
 from ..inject.beats import COLLECTIVES as BEATEN
+from ..report.groups import reimports
 from ..report.model import AsyncTask, Collective, Frame, ProcessReport, ThreadStack, same_thread
 
 #: A rank may wait in these too, which the progress beats do not count as collectives.
@@ -110,11 +111,15 @@ def innermost(proc: ProcessReport, pred: Callable[[Frame], bool]) -> Frame | Non
 
 
 def importing(proc: ProcessReport) -> bool:
-    """The main thread is importing a module (a spawn child still starting up)."""
+    """The main thread is importing a module (a spawn child still starting up), or running the
+    main module's top level again as spawn does (``runpy``, with no importlib frame)."""
     main = main_thread(proc)
-    return main is not None and any(
-        f.filename == "<frozen importlib._bootstrap>" and f.name == "_find_and_load"
-        for f in main.frames
+    return main is not None and (
+        any(
+            f.filename == "<frozen importlib._bootstrap>" and f.name == "_find_and_load"
+            for f in main.frames
+        )
+        or bool(reimports(main.frames))
     )
 
 
@@ -129,6 +134,10 @@ def stuck_at(proc: ProcessReport) -> str:
     task = stuck_task(proc, main)
     if task is not None:  # the thread's select() says nothing: the task's await point does
         return f"{task.awaited()} (asyncio task {task.name!r})"
+    # a module's top level says nothing by itself: that spawn imports it again in the child does
+    again = reimports(main.frames)
+    if again:
+        return again
     if any(in_file(f, "multiprocessing/util.py", "_exit_function") for f in main.frames) and any(
         in_file(f, "multiprocessing/queues.py", "_finalize_join", "join_thread")
         for f in main.frames

@@ -159,7 +159,9 @@ def _number(value: str) -> int | None:
 def _from_stacks(proc: ProcessReport) -> Role:
     """The role of a process that is no DataLoader worker and no rank, from its frames."""
     if importing(proc) and "multiprocessing" in proc.cmdline:
-        return Role("multiprocessing child", detail="still starting: importing")
+        # "still starting" only while it moves: one blocked in its import waits (issue 32)
+        starting = "still starting: importing" if making_progress(proc) else "importing"
+        return Role("multiprocessing child", detail=starting)
     if has_frame(proc, "multiprocessing/managers.py", "serve_forever"):
         return MANAGER_SERVER
     if has_frame(proc, "multiprocessing/pool.py", "worker"):
@@ -187,6 +189,22 @@ def is_busy(proc: ProcessReport) -> bool:
     return proc.cpu_delta_s >= BUSY_CPU_S or (
         proc.state == "running" and proc.cpu_s > 0.5 * proc.age_s
     )
+
+
+def making_progress(proc: ProcessReport) -> bool:
+    """The process moves: it used CPU during the capture or runs, or its main thread is in
+    uninterruptible I/O (reading a file) with nothing of the tree to wait for. A process whose
+    main thread is blocked in a wait (a lock, a pipe, a futex, a sleep) does not, however young:
+    it is not "still starting up", it is stuck."""
+    if is_busy(proc):
+        return True
+    main = main_thread(proc)
+    ident = main.ident if main is not None else None
+    task = next((t for t in proc.tasks if ident and t.python_thread == ident), None)
+    task = task or next((t for t in proc.tasks if t.tid == proc.pid), None)
+    if task is None:  # no /proc facts: only its state says
+        return proc.state in ("running", "disk-sleep")
+    return task.call == "running" or task.state == "R" or (task.state == "D" and not task.waits_for)
 
 
 def role_of(proc: ProcessReport) -> Role:

@@ -44,6 +44,27 @@ _ENTRY_SHELL = (
     ("multiprocessing/process.py", ("run",)),
     ("torch/multiprocessing/spawn.py", ("_wrap",)),
 )
+#: The entry of a process that runs its own code: ``Process._bootstrap`` calls ``run``.
+_BOOTSTRAP = (("multiprocessing/process.py", ("_bootstrap",)),)
+#: Where ``_bootstrap`` hands over to the child's code (its target, its exit handlers): from
+#: there on the start-up frames below say nothing about where it waits.
+_OWN_CODE = (
+    ("multiprocessing/process.py", ("run",)),
+    ("multiprocessing/util.py", ("_exit_function",)),
+)
+#: A Pool's maintenance thread, which replaces the workers that exit (``maxtasksperchild``, a
+#: worker that died): a fork child whose fork history holds it was forked by that thread.
+_POOL_MAINTENANCE = (("multiprocessing/pool.py", ("_maintain_pool", "_handle_workers")),)
+_POOL_WORKER = (("multiprocessing/pool.py", ("worker",)),)
+#: The forkserver's serving loop (it waits there by design, a helper).
+_FORKSERVER_LOOP = (("multiprocessing/forkserver.py", ("main",)),)
+#: spawn's frames that import the main module again (``prepare``), by path or by name.
+_PREPARE = (
+    (
+        "multiprocessing/spawn.py",
+        ("prepare", "_fixup_main_from_path", "_fixup_main_from_name", "import_main_path"),
+    ),
+)
 
 #: The frames every thread started by ``threading`` has at its bottom.
 _THREAD_START = (("/threading.py", ("_bootstrap", "_bootstrap_inner", "run")),)
@@ -54,18 +75,83 @@ def _in(frame: Frame, table: tuple[tuple[str, tuple[str, ...]], ...]) -> bool:
     return any(path.endswith(suffix) and frame.name in names for suffix, names in table)
 
 
+def _imports(frame: Frame) -> bool:
+    """importlib's frames, a module's top level, spawn's own ``prepare``: an import under way."""
+    return (
+        frame.filename.startswith("<frozen importlib")
+        or frame.name == "<module>"
+        or _in(frame, _PREPARE)
+    )
+
+
+def _entry(frames: list[Frame]) -> int | None:
+    """The index of the child's innermost entry frame (its start-up begins there), if any."""
+    return next((i for i, frame in enumerate(frames) if _in(frame, _CHILD_ENTRY)), None)
+
+
+def in_startup(frames: list[Frame]) -> bool:
+    """The stuck (innermost) frame is inside multiprocessing's start-up, which then explains it:
+    a spawned or forkserver child that has not reached its target (importing the main module
+    again, unpickling the target and importing the modules that define it, reading what its
+    parent sends), the forkserver preloading, or ``_bootstrap``'s own work before ``run`` (in a
+    fork child, its parent's frames below say which thread forked it: a Pool's maintenance
+    thread replacing a worker, say). Issue 32: cut there, the stuck frame lost its story."""
+    i = _entry(frames)
+    if i is None:
+        return False
+    above = frames[:i]
+    if _in(frames[i], _BOOTSTRAP):
+        if not any(_in(f, _OWN_CODE) for f in above):
+            return True  # in _bootstrap's own work, before run
+        # a Pool worker still in its initializer that the pool's maintenance thread forked (a
+        # replacement): forked at any moment, beside whatever the other threads held then
+        worker = next((f for f in above if _in(f, _POOL_WORKER)), None)
+        return (
+            worker is not None
+            and "initializer" in worker.line
+            and any(_in(f, _POOL_MAINTENANCE) for f in frames[i + 1 :])
+        )
+    if _in(frames[i], _FORKSERVER_LOOP):  # serving, by design; preloading is start-up
+        return any(_imports(f) for f in above)
+    return True  # spawn_main, spawn's _main, forkserver's _serve_one: before _bootstrap
+
+
+def reimports(frames: list[Frame]) -> str:
+    """``while spawn re-imports test_x``: the module a child in its start-up imports again (the
+    outermost module being imported above the start-up frames), named by its start method;
+    empty when the child is not importing in its start-up."""
+    i = _entry(frames)
+    if i is None or _in(frames[i], _BOOTSTRAP) or not in_startup(frames):
+        return ""  # a fork child imports nothing again: it has its parent's modules
+    modules = [f for f in frames[:i] if f.name == "<module>" and not f.filename.startswith("<")]
+    if not modules:
+        return ""
+    path = modules[-1].filename.replace(os.sep, "/")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = os.path.basename(os.path.dirname(path)) if stem == "__init__" else stem
+    method = (
+        "forkserver"
+        if any("multiprocessing/forkserver.py" in f.filename for f in frames)
+        else "spawn"
+    )
+    return f"while {method} re-imports {name}"
+
+
 def cut_startup(frames: list[Frame]) -> list[Frame]:
     """The frames (innermost first) without multiprocessing's start-up below the child's code:
     ``_bootstrap``, ``run``, ``_wrap`` and, in a fork child, the parent's ``_launch``,
     ``_Popen``, ``start``, ``start_process`` down to the test. A parent starting a process keeps
-    its ``_launch``: only a child's entry cuts. A thread's ``threading`` start-up is cut too."""
-    for i, frame in enumerate(frames):
-        if _in(frame, _CHILD_ENTRY):
-            keep = frames[:i]
-            # a target that is a C function (time.sleep) waits in run: that frame stays
-            while len(keep) > 1 and _in(keep[-1], _ENTRY_SHELL):
-                keep = keep[:-1]
-            return [*keep, Frame(STARTUP_CUT, 0, "... multiprocessing's start-up frames cut")]
+    its ``_launch``: only a child's entry cuts. A thread's ``threading`` start-up is cut too.
+    A child stuck inside its start-up (:func:`in_startup`) keeps every frame: they are the
+    evidence."""
+    i = _entry(frames)
+    if i is not None and not in_startup(frames):
+        keep = frames[:i]
+        # a target that is a C function (time.sleep) waits in run: that frame stays
+        while len(keep) > 1 and _in(keep[-1], _ENTRY_SHELL):
+            keep = keep[:-1]
+        return [*keep, Frame(STARTUP_CUT, 0, "... multiprocessing's start-up frames cut")]
+    # (a fork child kept whole ends in the frames of the thread that forked it: cut them too)
     cut = len(frames)
     while cut > 1 and _in(frames[cut - 1], _THREAD_START):
         cut -= 1

@@ -104,6 +104,11 @@ CHOSEN = (
     "test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes",
     "test_waits_fork_child_imports_by_name_a_module_a_parent_thread_was_importing",
     "test_waits_semaphore_held_by_the_test_while_it_joins",
+    # inside multiprocessing's start-up: spawn re-imports the test module, a Pool replaces a worker
+    "test_startup_spawned_loader_worker_imports_a_module_that_waits_for_the_tests_lock",
+    "test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock",
+    "test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock",
+    "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock",
     # a stall: no progress for the stall time (tests/test_stall.py)
     "test_freezes_in_its_third_epoch",
     # gloo ranks

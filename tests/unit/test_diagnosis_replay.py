@@ -20,7 +20,7 @@ from test_diagnosis_corpus import LABELS, Label, _label, _score
 from .conftest import RECORDED, Replay, diagnosis_digest, recorded_ids
 
 if TYPE_CHECKING:
-    from pytest_torchhang.report.model import Hint, TaskWait
+    from pytest_torchhang.report.model import HangReport, Hint, ProcessReport, TaskWait
 
 #: Recordings from outside the corpus, with what they must be told.
 OTHER_LABELS: dict[str, Label] = {
@@ -334,3 +334,83 @@ def test_a_semaphore_the_test_holds_across_its_join_is_not_called_leaked(replay:
     assert "leaked_slots" not in [h.rule for h in hints]
     hint = _one(name, "join_cycle", replay)
     assert "holds it across its join: line" in hint.text and "`with slots:`" in hint.text
+
+
+# --- inside multiprocessing's start-up (tests/corpus/corpus_startup.py) ---
+
+#: Children blocked while spawn imports a module again: (the recording, the module).
+BLOCKED_AT_IMPORT = {
+    "test_startup_spawned_loader_worker_imports_a_module_that_waits_for_the_tests_lock": (
+        "test_corpus_startup"
+    ),
+    "test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock": "test_corpus_startup",
+    # a script's own spawned child runs its top level again (runpy): no importlib frame
+    "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock": "train",
+}
+
+
+def _blocked_child(report: HangReport) -> ProcessReport:
+    (child,) = [p for p in report.processes if p.role.startswith("multiprocessing child")]
+    return child
+
+
+@pytest.mark.parametrize("name", list(BLOCKED_AT_IMPORT))
+def test_a_child_blocked_in_its_import_is_not_told_it_is_still_starting(
+    name: str, replay: Replay
+) -> None:
+    from pytest_torchhang.diagnosis.frames import importing, stuck_at
+    from pytest_torchhang.diagnosis.roles import making_progress
+
+    (path,) = [p for p in RECORDED if p.stem == name]
+    report = replay.load(path)
+    child = _blocked_child(report)
+    assert importing(child) and not making_progress(child)  # importing, and blocked there
+    assert child.role == "multiprocessing child (importing)"
+    assert stuck_at(child) == f"while spawn re-imports {BLOCKED_AT_IMPORT[name]}"
+    hints = replay.hints(report)
+    assert [h.rule for h in hints] == ["deadlock"]
+    for text in [h.text for h in hints] + [report.to_text()]:
+        assert "still starting" not in text and "Raise the timeout" not in text
+    (hint,) = hints
+    assert "fcntl.flock(" in hint.text and child.pid in hint.pids
+    if child.pid in report.culprits:  # a script's own wait at its join is named first
+        assert replay.headline(report).endswith(
+            f"1 stuck in multiprocessing child while spawn re-imports {BLOCKED_AT_IMPORT[name]}"
+        )
+
+
+#: What a process importing at the deadline does, and whether it is still starting up: the
+#: facts of the recorded blocked child with its CPU and its main thread's state set to each.
+PROGRESS = [
+    # cpu during the capture, process state, main thread's state and call, edges kept
+    ((0.0, "sleeping", "S", "flock", True), False),  # as recorded: blocked on its parent's lock
+    ((0.0, "sleeping", "S", "futex", False), False),  # a lock with no edge is still a wait
+    ((0.0, "sleeping", "S", "clock_nanosleep", False), False),
+    ((0.3, "sleeping", "S", "read", False), True),  # it used CPU during the capture
+    ((0.0, "running", "R", "running", False), True),
+    ((0.0, "disk-sleep", "D", "read", False), True),  # reading a module's file from disk
+    ((0.0, "disk-sleep", "D", "flock", True), False),  # in D, but for another process
+]
+
+
+@pytest.mark.parametrize(("facts", "starting"), PROGRESS, ids=[str(p[0]) for p in PROGRESS])
+def test_still_starting_is_said_only_of_a_process_that_moves_through_its_imports(
+    facts: tuple[float, str, str, str, bool], starting: bool, replay: Replay
+) -> None:
+    from pytest_torchhang.diagnosis.roles import making_progress
+    from pytest_torchhang.diagnosis.rules.starting import hint_still_starting
+
+    (path,) = [p for p in RECORDED if p.stem == next(iter(BLOCKED_AT_IMPORT))]
+    report = replay.load(path)
+    child = _blocked_child(report)
+    cpu, state, task_state, call, edges = facts
+    child.cpu_delta_s, child.state = cpu, state
+    child.cpu_s = 0.1  # far below its age: not "mostly running" on its own account
+    for task in child.tasks:
+        task.state, task.call = task_state, call
+        task.waits_for = task.waits_for if edges else []
+    assert making_progress(child) is starting
+    said = [h for h in hint_still_starting(replay.diagnosed(report)) if child.pid in h.pids]
+    assert bool(said) is starting
+    if said:
+        assert "still starting up" in said[0].text and "Raise the timeout" in said[0].text

@@ -163,3 +163,18 @@ def test_the_same_hang_elsewhere_has_the_same_signature(
         proc.stuck_at = frames.stuck_at(proc)
     assert [p.pid for p in there.processes] != [p.pid for p in here.processes]
     assert signature(there) == signature(here)
+
+
+def test_a_child_blocked_while_spawn_re_imports_signs_with_the_re_import() -> None:
+    # its role's detail ("importing", or "still starting: importing" while it moves) is left
+    # out; where it waits is the re-import, the same on every run and machine
+    (path,) = [
+        p
+        for p in RECORDED
+        if p.stem
+        == "test_startup_spawned_loader_worker_imports_a_module_that_waits_for_the_tests_lock"
+    ]
+    hang = HangReport.from_json(json.loads(path.read_text()))
+    (child,) = [p for p in hang.processes if p.role.startswith("multiprocessing child")]
+    assert frames.stuck_at(child) == child.stuck_at  # as recorded, as the frames say today
+    assert "multiprocessing child in while spawn re-imports test_corpus_startup" in signature(hang)

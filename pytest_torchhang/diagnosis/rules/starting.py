@@ -11,7 +11,7 @@ from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ...report.waits import NOBODY, Futex
 from ..frames import fork_parent, importing, located, main_thread
 from ..graph import code, main_task, who
-from ..roles import is_pytest, is_worker
+from ..roles import is_pytest, is_worker, making_progress
 
 _IMPORT = re.compile(
     r"^\s*(?:import\s+([\w.]+)|from\s+([\w.]+)\s+import\b)"
@@ -110,10 +110,18 @@ def hint_import_lock_at_fork(procs: list[ProcessReport]) -> list[Hint]:
 
 
 def hint_still_starting(procs: list[ProcessReport]) -> list[Hint]:
-    """Processes still importing at the deadline: it may be shorter than their start-up."""
+    """Processes still importing at the deadline, and moving through their imports (CPU, a
+    running thread): the deadline may be shorter than their start-up. A process blocked in its
+    import (a lock its parent holds, a pipe nobody writes) is stuck, not slow: raising the
+    timeout would not help it, and other rules tell what it waits for (issue 32)."""
     by_pid = {p.pid: p for p in procs}
     starting = [
-        p for p in procs if not is_pytest(p) and importing(p) and _import_at_fork(p, by_pid) is None
+        p
+        for p in procs
+        if not is_pytest(p)
+        and importing(p)
+        and making_progress(p)
+        and _import_at_fork(p, by_pid) is None
     ]
     if not starting:
         return []
@@ -125,10 +133,18 @@ def hint_still_starting(procs: list[ProcessReport]) -> list[Hint]:
             "children import the test module, and torch, anew). Raise the timeout, start them with "
             "fork, or preload heavy modules in the forkserver (set_forkserver_preload).",
             [
-                f"{p.role} (pid {p.pid}), age {p.age_s:.1f}s, importing in {p.stuck_at}"
+                f"{p.role} (pid {p.pid}), age {p.age_s:.1f}s, importing ({p.stuck_at}), "
+                f"{_moving(p)}"
                 for p in starting
             ],
             rule="still_starting",
             pids=sorted({p.pid for p in starting}),
         )
     ]
+
+
+def _moving(proc: ProcessReport) -> str:
+    """What says the process still moves: its CPU during the capture, else its state."""
+    if proc.cpu_delta_s > 0:
+        return f"+{proc.cpu_delta_s:.2f}s CPU during the capture"
+    return f"{proc.state}, cpu {proc.cpu_s:.2f}s in {proc.age_s:.1f}s"
