@@ -76,6 +76,10 @@ class TestDeadline:
     #: The watchdog's one door: called (without the lock) after another thread queued an action
     #: or moved the wake earlier, so that no change waits for a wake nobody scheduled.
     door: Callable[[TestDeadline], None] | None = field(default=None, repr=False)
+    #: How long the process was seen stopped (Ctrl-Z) between two times: the monitor's log,
+    #: read only when something comes due; stops before ``stops_counted`` are in the model.
+    stops: Callable[[float, float], float] | None = field(default=None, repr=False)
+    stops_counted: float = -deadline.INF
     # A plain lock, never re-entered: an interrupt that lands while its own thread holds it (in
     # the middle of ``feed``) must not change the state under that feed, which would then store
     # its own result over the interrupt's event. Code that may run at any bytecode (the signal
@@ -126,6 +130,8 @@ class TestDeadline:
         """``feed`` with the lock held."""
         at = clock.monotonic() if now is None else now
         self._settle(at)
+        if at >= self.wake:  # something comes due: not if only because the process was stopped
+            self._count_stops(at)
         if by_watchdog and isinstance(event, deadline.Tick):
             if self.pending:
                 return self.pending.pop(0)
@@ -144,6 +150,22 @@ class TestDeadline:
                 self.pending.append(decision)
             self._knock = True
         return decision
+
+    def _count_stops(self, at: float) -> None:
+        """With the lock held: move the clocks on by the time the process was stopped (Ctrl-Z)
+        since last asked. A stopped process is paused, not hung; only the monitor, which was
+        not stopped, saw how long (its log overstates a stop by at most its polling interval:
+        a deadline comes at most that much late, never early)."""
+        if self.stops is None:
+            return
+        since = max(self.stops_counted, self.state.started)
+        try:
+            stopped = self.stops(since, at)
+        except Exception:  # the page is unreadable: the deadline stands as it is
+            return
+        self.stops_counted = at
+        if stopped > 0:
+            self._step(deadline.Stopped(stopped), at, by_watchdog=False)
 
     def _settle(self, at: float) -> None:
         """With the lock held: apply the events deferred while it was taken, and queue the
@@ -330,6 +352,7 @@ class Watchdog:
         self._told: tuple[int, tuple[float, float] | str | None, int] = (0, None, 0)
         self._stopping = False
         self._preloaded = False  # the cold path, before the first deadline (see PRELOAD_S)
+        self._native_id = 0  # the watchdog thread's, for the monitor (its /proc/PID/task/TID)
         self._thread = threading.Thread(
             target=self._run, name=f"{hook.THREAD_PREFIX}watchdog", daemon=True
         )
@@ -342,6 +365,7 @@ class Watchdog:
         if restarted:
             self._errors.append(restarted)
         held.door = self._door
+        held.stops = self._monitor.board.stopped_between
         with self._cond:
             self._current = held
             self._wake_if_due(held)
@@ -392,6 +416,8 @@ class Watchdog:
         """The next decision to execute, or None (with a test) to load the cold path first."""
         with self._cond:
             while not self._stopping:
+                # the monitor's evidence that this thread runs (the GIL is not held for good)
+                self._monitor.board.beat(clock.monotonic(), self._native_id)
                 current = self._current
                 if current is None:
                     self._sleep(deadline.INF)
@@ -420,6 +446,7 @@ class Watchdog:
             self._cond.wait(self._wake_at - now)
 
     def _run(self) -> None:
+        self._native_id = threading.get_native_id()
         while True:
             try:
                 due = self._next()
