@@ -67,10 +67,14 @@ class SessionState:
         if self.subprocess_runner is None:
             from .runner import client
 
-            self.subprocess_runner = client.Runner(self.paused_deadline)
+            self.subprocess_runner = client.Runner(self.paused_deadline, self._stopped_between)
             if self.dump_dir is not None:
                 self.subprocess_runner.use_dump_dir(self.dump_dir)
         return self.subprocess_runner
+
+    def _stopped_between(self, since: float, now: float) -> float:
+        """How long this process was stopped (Ctrl-Z) between two times, as the monitor saw."""
+        return self.monitor.board.stopped_between(since, now) if self.monitor is not None else 0.0
 
     def own_pids(self, start: bool = True) -> set[int]:
         """The plugin's own processes: never part of a test's tree."""

@@ -38,7 +38,8 @@ import time
 def test_passes_though_stopped_for_longer_than_its_timeout():
     with open(os.environ["PAUSE_PID_FILE"], "w") as f:
         f.write(str(os.getpid()))
-    time.sleep({WORK_S})  # the outer test stops this process meanwhile, for longer
+    for _ in range({int(WORK_S * 10)}):  # the outer test stops this process meanwhile, for longer
+        time.sleep(0.1)  # 2.5 s of its own time, whatever the stop (one sleep would end at fg)
 
 
 def test_hangs_after_it():
@@ -46,28 +47,34 @@ def test_hangs_after_it():
 """
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rpartition(b")")[2].split()[0].decode()
+def _state(pids: list[int]) -> str:
+    states = []
+    for pid in pids:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            states.append(f.read().rpartition(b")")[2].split()[0].decode())
+    return " ".join(states)
 
 
 def _stop_then_continue(
     pid_file: Path, seen: list[str], sig: signal.Signals, stop_s: float
 ) -> None:
-    """What Ctrl-Z (or SIGSTOP) and ``fg`` do to the inner pytest, once its first test runs."""
+    """What Ctrl-Z (or SIGSTOP) and ``fg`` do to the inner pytest (and the processes the test
+    names beside it), once its first test runs."""
     deadline = time.monotonic() + 120
     while not pid_file.exists() or not pid_file.read_text():
         if time.monotonic() > deadline:
             return
         time.sleep(0.05)
-    pid = int(pid_file.read_text())
+    pids = [int(pid) for pid in pid_file.read_text().split()]
     time.sleep(0.5)
-    os.kill(pid, sig)
+    for pid in pids:
+        os.kill(pid, sig)
     time.sleep(0.3)
-    seen.append(_state(pid))  # stopped for real (a SIGTSTP is dropped in an orphaned group)
+    seen.append(_state(pids))  # stopped for real (a SIGTSTP is dropped in an orphaned group)
     time.sleep(stop_s - 0.3)
-    seen.append(_state(pid))
-    os.kill(pid, signal.SIGCONT)
+    seen.append(_state(pids))
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.parametrize(
@@ -104,6 +111,47 @@ def test_a_stopped_session_is_paused_not_hung(
     assert "test_passes_though_stopped_for_longer_than_its_timeout PASSED" in text
     # the guard still works after the stop: the next test's hang is caught at its own deadline
     assert_hang(session, "test_hangs_after_it", "HANG after *", "*threading.Event().wait()*")
+    session.assert_clean()
+
+
+CALL_PAUSED = f"""
+import os
+import time
+
+
+def work(pytest_pid):
+    with open(os.environ["PAUSE_PID_FILE"], "w") as f:
+        f.write(f"{{pytest_pid}} {{os.getpid()}}")  # pytest's, and this child's
+    for _ in range({int(WORK_S * 10)}):
+        time.sleep(0.1)
+
+
+def test_a_fixture_call_passes_though_stopped_with_its_child(torch_hang):
+    assert torch_hang.run(work, os.getpid(), timeout={TIMEOUT_S}) is None
+"""
+
+
+def test_a_fixture_calls_own_deadline_stands_still_while_pytest_is_stopped(
+    guarded: GuardedRunner, tmp_path: Path
+) -> None:
+    """Ctrl-Z stops pytest and the call's child (the foreground group): after ``fg`` the call's
+    wait, past its deadline by the stop only, goes on waiting for the child, which ends."""
+    pid_file = tmp_path / "pid"
+    guarded.monkeypatch.setenv("PAUSE_PID_FILE", str(pid_file))
+    guarded.monkeypatch.setenv("PYTEST_TORCH_HANG_ZYGOTE_PRELOAD", "")  # no torch: a fast start
+    guarded.pytester.makepyfile(test_call=CALL_PAUSED)
+    seen: list[str] = []
+    args = (pid_file, seen, signal.SIGSTOP, PAST_THE_DEADLINE_S)
+    stopper = threading.Thread(target=_stop_then_continue, args=args)
+    stopper.start()
+    try:
+        session = guarded.run("-p", "no:randomly", timeout=30, wait_s=180)
+    finally:
+        stopper.join(timeout=60)
+    assert seen == ["T T", "T T"], seen
+    text = session.text
+    assert "session stopped" not in text and "the GIL" not in text, text[-6000:]
+    assert_outcomes(session.result, passed=1)
     session.assert_clean()
 
 

@@ -27,8 +27,11 @@ from .. import clock
 if TYPE_CHECKING:
     from ..report.model import HangReport
 
-#: /proc states of a process stopped by job control (T) or by a tracer (t): paused, not hung.
-STOPPED_STATES = frozenset("Tt")
+#: /proc state of a process stopped by job control (Ctrl-Z, SIGSTOP): paused, not hung ...
+JOB_STOPPED = "T"
+#: ... and stopped by a tracer: a debugger at a breakpoint, but also strace at every system call
+#: for an instant, so it counts only when two looks in a row see it.
+TRACE_STOPPED = "t"
 #: A thread waiting for the GIL asks for it every switch interval (5 ms): sampled this long,
 #: it switches at least this often; a thread in a timed wait of its own switches at most once.
 GIL_SAMPLE_S = 0.3
@@ -48,6 +51,12 @@ def state_of(pid: int, tid: int | None = None) -> str:
         return ""
     fields = raw.rpartition(b")")[2].split()
     return fields[0].decode() if fields else ""
+
+
+def is_stopped(state: str, before: str) -> bool:
+    """Whether a process whose state is ``state`` (and was ``before``, a look earlier) is
+    stopped: by job control, or by a tracer for longer than an instant."""
+    return state == JOB_STOPPED or state == before == TRACE_STOPPED
 
 
 def switches_of(pid: int, tid: int) -> int | None:

@@ -176,7 +176,7 @@ def main(argv: list[str]) -> int:
 
 
 class _Stops:
-    """Whether pytest is stopped by job control (Ctrl-Z, SIGSTOP) or a tracer, logged on the
+    """Whether pytest is stopped by job control (Ctrl-Z, SIGSTOP) or a debugger, logged on the
     page for its watchdog: a stop is logged from the last look that saw pytest running to the
     first that sees it running again (at most a look's interval too long on each side)."""
 
@@ -184,11 +184,14 @@ class _Stops:
         self._pid = pytest_pid
         self._board = board
         self._running_at = clock.monotonic()
+        self._state = ""
         self.stopped = False
 
     def look(self, now: float) -> bool:
         """Read pytest's state; True when it runs again after a stop."""
-        stopped = evidence.state_of(self._pid) in evidence.STOPPED_STATES
+        state, before = evidence.state_of(self._pid), self._state
+        self._state = state
+        stopped = evidence.is_stopped(state, before)
         if stopped and not self.stopped:
             self._board.stop_began(self._running_at)
         elif self.stopped and not stopped:
