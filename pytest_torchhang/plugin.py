@@ -290,9 +290,8 @@ def _watch_debuggers(item: pytest.Item, held: TestDeadline) -> None:
     watch = item.stash.get(_DEBUGGER_WATCH, None)
     if watch is None or held.debugger is not watch:
         from .debuggers import DebuggerWatch
-        from .processwide import main_thread_trace
 
-        ask = main_thread_trace if held.in_main_thread else None
+        ask = held.ask_trace
         watch = item.stash[_DEBUGGER_WATCH] = DebuggerWatch(item.nodeid, held.thread_id, ask=ask)
         held.debugger = watch
     watch.saw(sys.gettrace())

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any, ClassVar, TypeVar
 
 from .inject import hook
@@ -253,3 +253,39 @@ def end_helper(proc: subprocess.Popen[bytes], grace_s: float) -> None:
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
+
+
+def set_async_exception(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Have thread ``thread_id`` raise ``exc`` at its next bytecode (None: cancel a pending one);
+    the interrupt of a test in a thread other than the main one, which no signal reaches."""
+    set_async = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    set_async(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
+
+
+def cancel_async_exception(thread_id: int) -> None:
+    """Cancel a pending ``set_async_exception`` (it must not land in pytest's own code)."""
+    with contextlib.suppress(Exception):
+        set_async_exception(thread_id, None)
+
+
+def forget_torn_out_modules() -> None:
+    """Make the next import of a cold-path module (``from .capture import pipeline``) load it
+    again if it was torn out of ``sys.modules`` since it was first imported.
+
+    pytester's inline sessions (``runpytest()``, ``inline_run()``) put ``sys.modules`` back as it
+    was after them: a module of the plugin that an inner session loaded first is then gone from
+    it, while a package the outer session had loaded (``capture``) still holds it as an
+    attribute, which ``from package import name`` returns as it is. Such a stale module's psutil
+    looks itself up in ``sys.modules`` and fails (``KeyError: 'psutil'``). Before the cold path
+    loaded at the first fire, the outer session had it loaded from its start.
+    """
+    top = __name__.split(".")[0]
+    ours = [m for n, m in list(sys.modules.items()) if n.split(".")[0] == top and m is not None]
+    for package in ours:
+        for attribute, value in list(vars(package).items()):
+            if (
+                isinstance(value, ModuleType)
+                and value.__name__.startswith(top + ".")
+                and sys.modules.get(value.__name__) is not value
+            ):
+                delattr(package, attribute)

@@ -272,7 +272,7 @@ class SessionState:
         seeds = alive & self.started_by_tests
         if not seeds:
             return
-        from .watchdog import forget_torn_out_modules
+        from .processwide import forget_torn_out_modules
 
         forget_torn_out_modules()  # an inner pytester session may have torn the cold path out
         from .capture import kill
@@ -305,7 +305,7 @@ class SessionState:
             beats.end_session(self.dump_dir)
         processwide.release(self._take_error)
         if procfs.children(os.getpid()):  # orphans adopted as their subreaper may be left
-            from .watchdog import forget_torn_out_modules
+            from .processwide import forget_torn_out_modules
 
             forget_torn_out_modules()  # an inner pytester session may have torn them out
             from .capture import kill  # the cold path: psutil; most sessions never need it

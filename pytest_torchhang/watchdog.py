@@ -9,14 +9,12 @@ goes through ``TestDeadline.feed``: one lock, one pure decision; only this threa
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import clock, deadline, processwide
@@ -93,6 +91,12 @@ class TestDeadline:
     @property
     def in_main_thread(self) -> bool:
         return self.thread_id == threading.main_thread().ident
+
+    @property
+    def ask_trace(self) -> Callable[[], tuple[bool, object]] | None:
+        """How to ask the test's thread for its own ``sys.gettrace()`` (the debugger check):
+        only the main thread can be asked, by a signal; None for another."""
+        return processwide.main_thread_trace if self.in_main_thread else None
 
     @property
     def fired(self) -> bool:
@@ -263,7 +267,9 @@ class TestDeadline:
         with self.locked():
             self._feed(deadline.PhaseEnded(), None, False)
             if not self.in_main_thread and self.state.phase is Phase.FIRED:
-                _cancel_async_exception(self.thread_id)  # it must not land in pytest's own code
+                processwide.cancel_async_exception(
+                    self.thread_id
+                )  # it must not land in pytest's own code
 
     def call_started(self, seconds: float, pids: list[int]) -> int:
         """A fixture call waits for ``pids`` up to ``seconds``; returns its key."""
@@ -326,16 +332,6 @@ def _async_hang(report: HangReport, held: TestDeadline) -> type[HangError]:
     return AsyncHangError
 
 
-def _set_async_exception(thread_id: int, exc: type[BaseException] | None) -> None:
-    set_async = ctypes.pythonapi.PyThreadState_SetAsyncExc
-    set_async(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
-
-
-def _cancel_async_exception(thread_id: int) -> None:
-    with contextlib.suppress(Exception):
-        _set_async_exception(thread_id, None)
-
-
 class Watchdog:
     """One thread per session; at most one armed test at a time (pytest runs them one by one)."""
 
@@ -353,6 +349,7 @@ class Watchdog:
         self._stopping = False
         self._preloaded = False  # the cold path, before the first deadline (see PRELOAD_S)
         self._native_id = 0  # the watchdog thread's, for the monitor (its /proc/PID/task/TID)
+        self._stops = monitor.board.stopped_between  # bound once: armed with every test
         self._thread = threading.Thread(
             target=self._run, name=f"{hook.THREAD_PREFIX}watchdog", daemon=True
         )
@@ -365,7 +362,7 @@ class Watchdog:
         if restarted:
             self._errors.append(restarted)
         held.door = self._door
-        held.stops = self._monitor.board.stopped_between
+        held.stops = self._stops
         with self._cond:
             self._current = held
             self._wake_if_due(held)
@@ -470,7 +467,7 @@ class Watchdog:
                         continue
                     self._fire(held, decision.kind is Kind.STALL)
                 elif decision.action is Action.REKILL:
-                    forget_torn_out_modules()
+                    processwide.forget_torn_out_modules()
                     from .capture import pipeline  # the cold path: loaded at the first fire
 
                     pipeline.kill(held.target)
@@ -490,7 +487,7 @@ class Watchdog:
     def _preload(self) -> None:
         self._preloaded = True
         try:
-            forget_torn_out_modules()
+            processwide.forget_torn_out_modules()
             from .capture import pipeline  # noqa: F401  (the cold path: see PRELOAD_S)
         except Exception as exc:  # the fire imports it again, and reports what fails then
             self._errors.append(f"pytest-torchhang could not load its capture: {exc!r}")
@@ -524,7 +521,7 @@ class Watchdog:
             target.extra_roots = [pid for pids in held.call_children.values() for pid in pids]
         skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
         try:
-            forget_torn_out_modules()
+            processwide.forget_torn_out_modules()
             from .capture import pipeline  # the cold path: loaded at the first fire
 
             report = pipeline.capture(target, skip_threads=skip)
@@ -546,33 +543,10 @@ class Watchdog:
             if held.state.phase is not Phase.FIRED or not held.state.running or not held.reports:
                 return
             if not held.in_main_thread:
-                _set_async_exception(held.thread_id, _async_hang(held.reports[-1], held))
+                processwide.set_async_exception(held.thread_id, _async_hang(held.reports[-1], held))
                 return
         with contextlib.suppress(OSError, ValueError):
             signal.pthread_kill(held.thread_id, INTERRUPT_SIGNAL)
-
-
-def forget_torn_out_modules() -> None:
-    """Make the next import of a cold-path module (``from .capture import pipeline``) load it
-    again if it was torn out of ``sys.modules`` since it was first imported.
-
-    pytester's inline sessions (``runpytest()``, ``inline_run()``) put ``sys.modules`` back as it
-    was after them: a module of the plugin that an inner session loaded first is then gone from
-    it, while a package the outer session had loaded (``capture``) still holds it as an
-    attribute, which ``from package import name`` returns as it is. Such a stale module's psutil
-    looks itself up in ``sys.modules`` and fails (``KeyError: 'psutil'``). Before the cold path
-    loaded at the first fire, the outer session had it loaded from its start.
-    """
-    top = __name__.split(".")[0]
-    ours = [m for n, m in list(sys.modules.items()) if n.split(".")[0] == top and m is not None]
-    for package in ours:
-        for attribute, value in list(vars(package).items()):
-            if (
-                isinstance(value, ModuleType)
-                and value.__name__.startswith(top + ".")
-                and sys.modules.get(value.__name__) is not value
-            ):
-                delattr(package, attribute)
 
 
 def _failed_report(held: TestDeadline, exc: BaseException) -> HangReport:
