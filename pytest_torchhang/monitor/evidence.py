@@ -4,8 +4,9 @@ The monitor ends a session only when pytest cannot end the test itself, and it s
 only what it has shown (issue 29: a main thread waiting in C++ *without* the GIL was reported as
 holding it, while pytest's watchdog thread ran the whole time). Its evidence, read from outside:
 
-- pytest's state: stopped by job control (``T``: Ctrl-Z, SIGSTOP; ``t``: a debugger's ptrace
-  stop) is a pause, not a hang: the monitor holds, and the deadlines move on by the stop;
+- pytest's state: stopped by job control (``T``: Ctrl-Z, SIGSTOP) or by a tracer for longer
+  than an instant (``t`` at two looks in a row: a debugger at a breakpoint) is a pause, not a
+  hang: the monitor holds, and the deadlines move on by the stop;
 - the watchdog thread's heartbeat on the deadline page: it ran that recently, so the GIL is not
   held for good; after a fire, a test thread that still did not raise is in a call that no signal
   interrupts;
