@@ -12,7 +12,8 @@ Sources of a deadline, all in one place, so that whichever is due first fires wh
 - a fixture call's own timeout: the call acts on it itself (it captures and kills its children),
   so the model only keeps the test's own fire from overlapping that capture;
 - the teardown grace: once the test has its ``HangError``, the rest of it gets ``grace_s``;
-- pauses (a debugger, the zygote importing torch): every clock stops meanwhile.
+- pauses (a debugger, the zygote importing torch): every clock stops meanwhile; and stops by
+  job control (Ctrl-Z), which the shell learns of afterwards: every clock moves on by the stop.
 
 States, and what moves them::
 
@@ -129,6 +130,16 @@ class Resume(NamedTuple):
     """Undo one Pause; when none is left, the clocks go on where they stopped."""
 
 
+class Stopped(NamedTuple):
+    """The process was stopped (Ctrl-Z, SIGSTOP) for ``seconds`` before now: paused, not hung.
+
+    The shell learns of a stop only once it runs again (from the monitor, which was not
+    stopped), so unlike a Pause it comes after the fact: every running clock moves on by it.
+    """
+
+    seconds: float
+
+
 class PhaseStarted(NamedTuple):
     """The test's own code (setup, call or teardown) runs: an interrupt may land in it."""
 
@@ -178,6 +189,7 @@ Event: TypeAlias = (
     | Progress
     | Pause
     | Resume
+    | Stopped
     | PhaseStarted
     | PhaseEnded
     | CallStarted
@@ -353,6 +365,12 @@ def _apply(state: State, event: Event, now: float) -> State:
         if state.paused > 1:
             return state._replace(paused=state.paused - 1)
         return _resumed(state, now)
+    if isinstance(event, Stopped):
+        if state.paused or event.seconds <= 0 or state.phase is Phase.DISARMED:
+            return state  # paused, the clocks stood still anyway
+        return _moved(state, event.seconds, now)._replace(
+            history=_note(state, now, f"stopped {event.seconds:.1f}s")
+        )
     if isinstance(event, PhaseStarted):
         return state._replace(running=True)
     if isinstance(event, PhaseEnded):
@@ -395,16 +413,20 @@ def _apply(state: State, event: Event, now: float) -> State:
 def _resumed(state: State, now: float) -> State:
     """Every clock moves on by the time it stood still; the stall clock starts again."""
     stood = max(now - state.paused_at, 0.0)
+    moved = _moved(state, stood, now)
+    return moved._replace(paused=0, paused_at=INF, progress_at=max(state.progress_at, now))
+
+
+def _moved(state: State, stood: float, now: float) -> State:
+    """Every clock moved on by ``stood`` seconds (the stall clock too, up to ``now``)."""
     limits = tuple(limit._replace(due=limit.due + stood) for limit in state.limits)
     calls = tuple((key, call._replace(due=call.due + stood)) for key, call in state.calls)
     grace_due = state.grace_due + stood if state.grace_due < INF else INF
     return state._replace(
-        paused=0,
-        paused_at=INF,
         limits=limits,
         calls=calls,
         grace_due=grace_due,
-        progress_at=max(state.progress_at, now),
+        progress_at=min(state.progress_at + stood, max(state.progress_at, now)),
     )
 
 

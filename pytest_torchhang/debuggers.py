@@ -18,6 +18,11 @@ watchdog decides on its own thread, whose trace function is not the test's; so t
 is read from outside: the trace function it had when its phase began (an IDE that started pytest
 under its debugger), and the local trace function of every frame of its stack now (a debugger
 set in the test itself: ``pdb.Pdb().set_trace()`` and pydevd both trace the frame they stop in).
+When neither shows a debugger and the test runs in the main thread, that thread is asked itself,
+as pytest-timeout's handler does (``ask``: our interrupt signal's handler reads its
+``sys.gettrace()``): a ``sys.settrace(pydevd.trace)`` in the test's body sets no frame's trace
+until a Python function is called, and a test blocked in C calls none. A test in another thread
+(pytest run in a thread of a host program) cannot be asked: there only its frames are read.
 Coverage's tracer (``coverage.tracer.CTracer``, ``coverage.pytracer``) is not a debugger, and a
 hang under ``pytest --cov`` fires as any other.
 """
@@ -129,12 +134,15 @@ class DebuggerWatch:
         thread_id: int,
         frames: Callable[[], dict[int, FrameType]] = sys._current_frames,
         tool: Callable[[], str | None] = monitoring_debugger,
+        ask: Callable[[], tuple[bool, object]] | None = None,
     ) -> None:
         self.test_id = test_id
         self.thread_id = thread_id
         self.trace: object = None  # the test thread's sys.gettrace() when its phase began
         self._frames = frames
         self._tool = tool
+        #: asks the test's own thread for its ``sys.gettrace()`` now: (answered, trace)
+        self._ask = ask
 
     def saw(self, trace: object) -> None:
         """The test's thread, at a phase's start: its own ``sys.gettrace()``."""
@@ -144,9 +152,14 @@ class DebuggerWatch:
         """The debugger holding the test now, described, or None (any thread may ask)."""
         frame = self._frames().get(self.thread_id)
         try:
-            return debugger_in([self.trace, *stack_traces(frame)], self._tool())
+            found = debugger_in([self.trace, *stack_traces(frame)], self._tool())
         finally:
             del frame  # a frame kept alive keeps the test's locals alive
+        if found is None and self._ask is not None:
+            answered, trace = self._ask()
+            if answered:
+                found = debugger_in([trace])
+        return found
 
     def __call__(self) -> str | None:
         try:

@@ -291,7 +291,8 @@ def _watch_debuggers(item: pytest.Item, held: TestDeadline) -> None:
     if watch is None or held.debugger is not watch:
         from .debuggers import DebuggerWatch
 
-        watch = item.stash[_DEBUGGER_WATCH] = DebuggerWatch(item.nodeid, held.thread_id)
+        ask = held.ask_trace
+        watch = item.stash[_DEBUGGER_WATCH] = DebuggerWatch(item.nodeid, held.thread_id, ask=ask)
         held.debugger = watch
     watch.saw(sys.gettrace())
 

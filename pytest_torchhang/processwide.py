@@ -15,10 +15,11 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any, ClassVar, TypeVar
 
 from .inject import hook
@@ -29,6 +30,9 @@ INJECT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject", 
 
 #: Called in the interrupted thread: the exception to raise there, or None (not its turn).
 Receiver = Callable[[], BaseException | None]
+#: How long a deadline that came due waits for the test's main thread to say whether a debugger
+#: traces it (it answers between two bytecodes; one blocked in C never does, and fires as ever).
+ASK_TRACE_S = 0.5
 #: How long a helper's start may wait for the launcher thread.
 LAUNCH_WAIT_S = 60.0
 
@@ -126,8 +130,59 @@ def _tear_down() -> None:
     _Shared.dump_dir = None
 
 
+class _Question:
+    """A question for the main thread, answered by the interrupt handler, which runs there."""
+
+    lock: ClassVar[threading.Lock] = threading.Lock()  # one question at a time
+    #: the question, the box for its answer, and the event that says it is there
+    pending: ClassVar[tuple[Callable[[], object], list[object], threading.Event] | None] = None
+
+
+def ask_main_thread(question: Callable[[], T], wait_s: float) -> tuple[bool, T | None]:
+    """``question()`` run in the main thread (by the interrupt signal's handler, between two of
+    its bytecodes), waiting at most ``wait_s``: (True, its answer), or (False, None) when the
+    main thread did not answer in time (it sits in a call that no signal interrupts, or in code
+    that does not look at signals) or no handler of ours is installed there.
+
+    Some facts are the thread's own and unreadable from another: ``sys.gettrace()`` (a debugger
+    set inside a test, issue 29). pytest-timeout reads it the same way, in its SIGALRM handler.
+    """
+    main = threading.main_thread().ident
+    if not _Shared.handler_installed or main is None:
+        return False, None
+    box: list[object] = []
+    answered = threading.Event()
+    with _Question.lock:
+        _Question.pending = (question, box, answered)
+        try:
+            signal.pthread_kill(main, INTERRUPT_SIGNAL)
+            if answered.wait(wait_s) and box:
+                return True, box[0]  # type: ignore[return-value]
+            return False, None
+        except (OSError, ValueError):
+            return False, None
+        finally:
+            _Question.pending = None  # an answer after this goes into this question's box
+
+
+def main_thread_trace() -> tuple[bool, object]:
+    """The main thread's own ``sys.gettrace()``, asked in it (``debuggers.DebuggerWatch``)."""
+    return ask_main_thread(sys.gettrace, ASK_TRACE_S)
+
+
+def _answer() -> None:
+    pending, _Question.pending = _Question.pending, None
+    if pending is None:
+        return
+    question, box, answered = pending
+    with contextlib.suppress(Exception):  # a question must never raise in the test's code
+        box.append(question())
+    answered.set()
+
+
 def _on_interrupt(signum: int, frame: FrameType | None) -> None:
     __tracebackhide__ = True  # a re-raised HangError (a wider fixture's) shows the user's frames
+    _answer()  # a question first: it raises nothing, whoever else is interrupted
     for receiver in reversed(list(_Shared.users)):  # the innermost session first
         exc = receiver()
         if exc is not None:
@@ -199,3 +254,39 @@ def end_helper(proc: subprocess.Popen[bytes], grace_s: float) -> None:
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
+
+
+def set_async_exception(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Have thread ``thread_id`` raise ``exc`` at its next bytecode (None: cancel a pending one);
+    the interrupt of a test in a thread other than the main one, which no signal reaches."""
+    set_async = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    set_async(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
+
+
+def cancel_async_exception(thread_id: int) -> None:
+    """Cancel a pending ``set_async_exception`` (it must not land in pytest's own code)."""
+    with contextlib.suppress(Exception):
+        set_async_exception(thread_id, None)
+
+
+def forget_torn_out_modules() -> None:
+    """Make the next import of a cold-path module (``from .capture import pipeline``) load it
+    again if it was torn out of ``sys.modules`` since it was first imported.
+
+    pytester's inline sessions (``runpytest()``, ``inline_run()``) put ``sys.modules`` back as it
+    was after them: a module of the plugin that an inner session loaded first is then gone from
+    it, while a package the outer session had loaded (``capture``) still holds it as an
+    attribute, which ``from package import name`` returns as it is. Such a stale module's psutil
+    looks itself up in ``sys.modules`` and fails (``KeyError: 'psutil'``). Before the cold path
+    loaded at the first fire, the outer session had it loaded from its start.
+    """
+    top = __name__.split(".")[0]
+    ours = [m for n, m in list(sys.modules.items()) if n.split(".")[0] == top and m is not None]
+    for package in ours:
+        for attribute, value in list(vars(package).items()):
+            if (
+                isinstance(value, ModuleType)
+                and value.__name__.startswith(top + ".")
+                and sys.modules.get(value.__name__) is not value
+            ):
+                delattr(package, attribute)

@@ -72,10 +72,14 @@ class SessionState:
         if self.subprocess_runner is None:
             from .runner import client
 
-            self.subprocess_runner = client.Runner(self.paused_deadline)
+            self.subprocess_runner = client.Runner(self.paused_deadline, self._stopped_between)
             if self.dump_dir is not None:
                 self.subprocess_runner.use_dump_dir(self.dump_dir)
         return self.subprocess_runner
+
+    def _stopped_between(self, since: float, now: float) -> float:
+        """How long this process was stopped (Ctrl-Z) between two times, as the monitor saw."""
+        return self.monitor.board.stopped_between(since, now) if self.monitor is not None else 0.0
 
     def own_pids(self, start: bool = True) -> set[int]:
         """The plugin's own processes: never part of a test's tree."""
@@ -277,7 +281,7 @@ class SessionState:
         seeds = alive & self.started_by_tests
         if not seeds:
             return
-        from .watchdog import forget_torn_out_modules
+        from .processwide import forget_torn_out_modules
 
         forget_torn_out_modules()  # an inner pytester session may have torn the cold path out
         from .capture import kill
@@ -310,7 +314,7 @@ class SessionState:
             beats.end_session(self.dump_dir)
         processwide.release(self._take_error)
         if procfs.children(os.getpid()):  # orphans adopted as their subreaper may be left
-            from .watchdog import forget_torn_out_modules
+            from .processwide import forget_torn_out_modules
 
             forget_torn_out_modules()  # an inner pytester session may have torn them out
             from .capture import kill  # the cold path: psutil; most sessions never need it

@@ -9,14 +9,12 @@ goes through ``TestDeadline.feed``: one lock, one pure decision; only this threa
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import clock, deadline, processwide
@@ -79,6 +77,10 @@ class TestDeadline:
     #: The watchdog's one door: called (without the lock) after another thread queued an action
     #: or moved the wake earlier, so that no change waits for a wake nobody scheduled.
     door: Callable[[TestDeadline], None] | None = field(default=None, repr=False)
+    #: How long the process was seen stopped (Ctrl-Z) between two times: the monitor's log,
+    #: read only when something comes due; stops before ``stops_counted`` are in the model.
+    stops: Callable[[float, float], float] | None = field(default=None, repr=False)
+    stops_counted: float = -deadline.INF
     # A plain lock, never re-entered: an interrupt that lands while its own thread holds it (in
     # the middle of ``feed``) must not change the state under that feed, which would then store
     # its own result over the interrupt's event. Code that may run at any bytecode (the signal
@@ -92,6 +94,12 @@ class TestDeadline:
     @property
     def in_main_thread(self) -> bool:
         return self.thread_id == threading.main_thread().ident
+
+    @property
+    def ask_trace(self) -> Callable[[], tuple[bool, object]] | None:
+        """How to ask the test's thread for its own ``sys.gettrace()`` (the debugger check):
+        only the main thread can be asked, by a signal; None for another."""
+        return processwide.main_thread_trace if self.in_main_thread else None
 
     @property
     def fired(self) -> bool:
@@ -129,6 +137,8 @@ class TestDeadline:
         """``feed`` with the lock held."""
         at = clock.monotonic() if now is None else now
         self._settle(at)
+        if at >= self.wake:  # something comes due: not if only because the process was stopped
+            self._count_stops(at)
         if by_watchdog and isinstance(event, deadline.Tick):
             if self.pending:
                 return self.pending.pop(0)
@@ -147,6 +157,22 @@ class TestDeadline:
                 self.pending.append(decision)
             self._knock = True
         return decision
+
+    def _count_stops(self, at: float) -> None:
+        """With the lock held: move the clocks on by the time the process was stopped (Ctrl-Z)
+        since last asked. A stopped process is paused, not hung; only the monitor, which was
+        not stopped, saw how long (its log overstates a stop by at most its polling interval:
+        a deadline comes at most that much late, never early)."""
+        if self.stops is None:
+            return
+        since = max(self.stops_counted, self.state.started)
+        try:
+            stopped = self.stops(since, at)
+        except Exception:  # the page is unreadable: the deadline stands as it is
+            return
+        self.stops_counted = at
+        if stopped > 0:
+            self._step(deadline.Stopped(stopped), at, by_watchdog=False)
 
     def _settle(self, at: float) -> None:
         """With the lock held: apply the events deferred while it was taken, and queue the
@@ -244,7 +270,9 @@ class TestDeadline:
         with self.locked():
             self._feed(deadline.PhaseEnded(), None, False)
             if not self.in_main_thread and self.state.phase is Phase.FIRED:
-                _cancel_async_exception(self.thread_id)  # it must not land in pytest's own code
+                processwide.cancel_async_exception(
+                    self.thread_id
+                )  # it must not land in pytest's own code
 
     def call_started(self, seconds: float, pids: list[int]) -> int:
         """A fixture call waits for ``pids`` up to ``seconds``; returns its key."""
@@ -307,16 +335,6 @@ def _async_hang(report: HangReport, held: TestDeadline) -> type[HangError]:
     return AsyncHangError
 
 
-def _set_async_exception(thread_id: int, exc: type[BaseException] | None) -> None:
-    set_async = ctypes.pythonapi.PyThreadState_SetAsyncExc
-    set_async(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
-
-
-def _cancel_async_exception(thread_id: int) -> None:
-    with contextlib.suppress(Exception):
-        _set_async_exception(thread_id, None)
-
-
 class Watchdog:
     """One thread per session; at most one armed test at a time (pytest runs them one by one)."""
 
@@ -333,6 +351,8 @@ class Watchdog:
         self._told: tuple[int, tuple[float, float] | str | None, int] = (0, None, 0)
         self._stopping = False
         self._preloaded = False  # the cold path, before the first deadline (see PRELOAD_S)
+        self._native_id = 0  # the watchdog thread's, for the monitor (its /proc/PID/task/TID)
+        self._stops = monitor.board.stopped_between  # bound once: armed with every test
         self._thread = threading.Thread(
             target=self._run, name=f"{hook.THREAD_PREFIX}watchdog", daemon=True
         )
@@ -345,6 +365,7 @@ class Watchdog:
         if restarted:
             self._errors.append(restarted)
         held.door = self._door
+        held.stops = self._stops
         with self._cond:
             self._current = held
             self._wake_if_due(held)
@@ -395,6 +416,8 @@ class Watchdog:
         """The next decision to execute, or None (with a test) to load the cold path first."""
         with self._cond:
             while not self._stopping:
+                # the monitor's evidence that this thread runs (the GIL is not held for good)
+                self._monitor.board.beat(clock.monotonic(), self._native_id)
                 current = self._current
                 if current is None:
                     self._sleep(deadline.INF)
@@ -423,6 +446,7 @@ class Watchdog:
             self._cond.wait(self._wake_at - now)
 
     def _run(self) -> None:
+        self._native_id = threading.get_native_id()
         while True:
             try:
                 due = self._next()
@@ -446,7 +470,7 @@ class Watchdog:
                         continue
                     self._fire(held, decision.kind is Kind.STALL)
                 elif decision.action is Action.REKILL:
-                    forget_torn_out_modules()
+                    processwide.forget_torn_out_modules()
                     from .capture import pipeline  # the cold path: loaded at the first fire
 
                     pipeline.kill(held.target)
@@ -466,7 +490,7 @@ class Watchdog:
     def _preload(self) -> None:
         self._preloaded = True
         try:
-            forget_torn_out_modules()
+            processwide.forget_torn_out_modules()
             from .capture import pipeline  # noqa: F401  (the cold path: see PRELOAD_S)
         except Exception as exc:  # the fire imports it again, and reports what fails then
             self._errors.append(f"pytest-torchhang could not load its capture: {exc!r}")
@@ -505,7 +529,7 @@ class Watchdog:
                 self._errors.append(f"pytest-torchhang could not read fixtures' pools: {exc!r}")
         skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
         try:
-            forget_torn_out_modules()
+            processwide.forget_torn_out_modules()
             from .capture import pipeline  # the cold path: loaded at the first fire
 
             report = pipeline.capture(target, skip_threads=skip)
@@ -527,33 +551,10 @@ class Watchdog:
             if held.state.phase is not Phase.FIRED or not held.state.running or not held.reports:
                 return
             if not held.in_main_thread:
-                _set_async_exception(held.thread_id, _async_hang(held.reports[-1], held))
+                processwide.set_async_exception(held.thread_id, _async_hang(held.reports[-1], held))
                 return
         with contextlib.suppress(OSError, ValueError):
             signal.pthread_kill(held.thread_id, INTERRUPT_SIGNAL)
-
-
-def forget_torn_out_modules() -> None:
-    """Make the next import of a cold-path module (``from .capture import pipeline``) load it
-    again if it was torn out of ``sys.modules`` since it was first imported.
-
-    pytester's inline sessions (``runpytest()``, ``inline_run()``) put ``sys.modules`` back as it
-    was after them: a module of the plugin that an inner session loaded first is then gone from
-    it, while a package the outer session had loaded (``capture``) still holds it as an
-    attribute, which ``from package import name`` returns as it is. Such a stale module's psutil
-    looks itself up in ``sys.modules`` and fails (``KeyError: 'psutil'``). Before the cold path
-    loaded at the first fire, the outer session had it loaded from its start.
-    """
-    top = __name__.split(".")[0]
-    ours = [m for n, m in list(sys.modules.items()) if n.split(".")[0] == top and m is not None]
-    for package in ours:
-        for attribute, value in list(vars(package).items()):
-            if (
-                isinstance(value, ModuleType)
-                and value.__name__.startswith(top + ".")
-                and sys.modules.get(value.__name__) is not value
-            ):
-                delattr(package, attribute)
 
 
 def _failed_report(held: TestDeadline, exc: BaseException) -> HangReport:

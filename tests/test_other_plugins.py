@@ -141,6 +141,52 @@ def test_pytest_timeouts_switch_lets_the_deadline_interrupt_a_debugger(
     session.assert_clean()
 
 
+#: A debugger's trace function set inside the test's body that traces no frame (pydevd returns
+#: None for a frame without breakpoints), while the test waits in C: no frame of its stack
+#: shows it; only the test's thread itself can say what its sys.gettrace() is.
+SET_IN_THE_BODY = """
+import sys
+import threading
+import time
+
+import pydevd
+
+
+def test_debugged_from_its_body():
+    sys.settrace(pydevd.trace_dispatch)
+    try:
+        time.sleep(4)  # the deadline comes at 2 while the IDE would hold the test
+    finally:
+        sys.settrace(None)
+
+
+def test_hangs_without_a_debugger():
+    threading.Event().wait()
+"""
+
+PYDEVD_NO_FRAMES = """
+def trace_dispatch(frame, event, arg):
+    return None  # no frame of interest: none gets a local trace function
+"""
+
+
+@pytest.mark.parametrize("option", ["--timeout=2", "--torch-hang-timeout=2"])
+def test_a_debugger_set_in_the_tests_body_holds_the_deadline(
+    guarded: GuardedRunner, option: str
+) -> None:
+    guarded.pytester.makepyfile(pydevd=PYDEVD_NO_FRAMES, test_body=SET_IN_THE_BODY)
+    session = guarded.run(option, timeout=None)
+    assert_outcomes(session.result, passed=1, hang=1)
+    assert_fired_in_time(session, "test_hangs_without_a_debugger", 2.0)
+    session.result.stdout.fnmatch_lines(
+        [
+            "test_body.py::test_debugged_from_its_body: its deadline came while a debugger held "
+            "the test (a trace function from pydevd)*",
+        ]
+    )
+    session.assert_clean()
+
+
 IN_PDB = """
 import pdb
 

@@ -1,4 +1,10 @@
-"""The current test's deadline on a shared page: the pytest process writes it, the monitor reads it."""
+"""The current test's deadline on a shared page: the pytest process writes it, the monitor reads it.
+
+Two small areas at the page's end go the other way or carry evidence: the watchdog thread's
+heartbeat (its native thread id and the last time it ran, written by that thread), and the
+monitor's log of the times it saw pytest stopped by job control (Ctrl-Z, SIGSTOP), which the
+watchdog reads when a deadline comes due (a stopped process's clocks stand still).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import struct
 from collections.abc import Iterable
 
 from .. import clock
+
+INF = float("inf")
 
 
 class DeadlineBoard:
@@ -23,7 +31,15 @@ class DeadlineBoard:
     _ID_AT, _ID_MAX = 64, 1024
     _PAIRS_AT = _ID_AT + _ID_MAX
     _PAIR = struct.Struct("<QQ")
-    MAX_PAIRS = (SIZE - _PAIRS_AT) // _PAIR.size
+    #: The last 4 KiB: the watchdog's heartbeat, then the monitor's stop log (a ring).
+    _TAIL_AT = SIZE - 4096
+    MAX_PAIRS = (_TAIL_AT - _PAIRS_AT) // _PAIR.size
+    _BEAT_AT = _TAIL_AT
+    _BEAT = struct.Struct("<QQd")  # seq, native thread id, last beat (monotonic)
+    _STOPS_AT = _TAIL_AT + 64
+    _STOPS_HEAD = struct.Struct("<QQ")  # seq, stops begun so far
+    _STOP = struct.Struct("<dd")  # began, ended (inf while it lasts)
+    _STOP_RING = 128
 
     def __init__(self, path: str, create: bool = False) -> None:
         flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
@@ -37,6 +53,9 @@ class DeadlineBoard:
         self.path = path
         self._seq = 0
         self._generation = 0
+        self._beat_seq = 0  # the heartbeat's own writer: the watchdog thread
+        self._stops_seq = struct.unpack_from("<Q", self._page, self._STOPS_AT)[0]  # a monitor
+        self._stops_seq += self._stops_seq % 2  # restarted after one that died mid-write
 
     def arm(
         self, deadline: float, timeout: float, before: Iterable[tuple[int, int]], test_id: str
@@ -84,3 +103,75 @@ class DeadlineBoard:
                 return None
             return generation, deadline, timeout, pairs, name.decode("utf-8", "replace")
         return None
+
+    # --- the watchdog's heartbeat: written by the watchdog thread, read by the monitor ----------
+
+    def beat(self, now: float, tid: int) -> None:
+        """The watchdog thread ran at ``now``: evidence that the GIL was not held for good."""
+        self._beat_seq += 2
+        self._BEAT.pack_into(self._page, self._BEAT_AT, self._beat_seq - 1, tid, now)
+        self._BEAT.pack_into(self._page, self._BEAT_AT, self._beat_seq, tid, now)
+
+    def last_beat(self) -> tuple[int, float] | None:
+        """(the watchdog's native thread id, when it last ran), or None before its first beat."""
+        for _ in range(1000):
+            seq, tid, at = self._BEAT.unpack_from(self._page, self._BEAT_AT)
+            if seq % 2 == 0 and self._BEAT.unpack_from(self._page, self._BEAT_AT)[0] == seq:
+                return (tid, at) if seq else None
+            clock.sleep(0.0001)
+        return None
+
+    # --- the stop log: written by the monitor, read by the watchdog -----------------------------
+
+    def stop_began(self, at: float) -> None:
+        """The monitor saw pytest stopped; it last saw it running at ``at``."""
+        count = self._stops()[0]
+        self._write_stop(count, count + 1, at, INF)
+
+    def stop_ended(self, at: float) -> None:
+        """The monitor saw the stopped pytest running again at ``at``."""
+        count, stops = self._stops()
+        if count and stops[-1][1] == INF:
+            self._write_stop(count - 1, count, stops[-1][0], at)
+
+    def _write_stop(self, index: int, count: int, began: float, ended: float) -> None:
+        page, at = self._page, self._STOPS_AT
+        self._stops_seq += 1
+        struct.pack_into("<Q", page, at, self._stops_seq)
+        slot = at + self._STOPS_HEAD.size + (index % self._STOP_RING) * self._STOP.size
+        self._STOP.pack_into(page, slot, began, ended)
+        self._stops_seq += 1
+        self._STOPS_HEAD.pack_into(page, at, self._stops_seq, count)
+
+    def _stops(self) -> tuple[int, list[tuple[float, float]]]:
+        """(stops begun so far, the ones the ring still holds, oldest first)."""
+        page, at = self._page, self._STOPS_AT
+        for _ in range(1000):
+            seq, count = self._STOPS_HEAD.unpack_from(page, at)
+            if seq % 2:
+                clock.sleep(0.0001)
+                continue
+            first = max(0, count - self._STOP_RING)
+            stops = [
+                self._STOP.unpack_from(
+                    page, at + self._STOPS_HEAD.size + (i % self._STOP_RING) * self._STOP.size
+                )
+                for i in range(first, count)
+            ]
+            if struct.unpack_from("<Q", page, at)[0] == seq:
+                return count, stops
+        return 0, []
+
+    def stopped_between(self, since: float, now: float) -> float:
+        """How long pytest was seen stopped between ``since`` and ``now`` (a stop the monitor
+        has not yet seen end counts until ``now``: whoever asks runs, so it has ended)."""
+        return stopped_within(self._stops()[1], since, now)
+
+
+def stopped_within(stops: Iterable[tuple[float, float]], since: float, now: float) -> float:
+    """The time the intervals ``stops`` (began, ended; inf: not seen ending yet) cover between
+    ``since`` and ``now``."""
+    total = 0.0
+    for began, ended in stops:
+        total += max(0.0, min(ended, now) - max(began, since))
+    return total

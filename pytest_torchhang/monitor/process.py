@@ -1,9 +1,13 @@
 """The monitor process: the last resort, acting when the pytest process cannot.
 
-The watchdog thread needs the GIL. If the test's main thread holds it in C code (or the process
-is frozen), the monitor, told of each deadline through a pipe, captures every stack from outside
-(the pytest process answers the dump signal in C, without the GIL), prints the report to the
-terminal pytest started on, writes the JSON report, and kills the whole tree, pytest included.
+The watchdog thread needs the GIL, and a test's thread takes its interrupt only when it runs
+Python code. If a thread holds the GIL in C code, or the test's thread sits in a call that no
+signal interrupts, the monitor, told of each deadline through the page and of each fire through
+a pipe, captures every stack from outside (the pytest process answers the dump signal in C,
+without the GIL), prints the report to the terminal pytest started on, writes the JSON report,
+and kills the whole tree, pytest included. It says why only as far as ``evidence.py`` shows it.
+A pytest stopped by job control (Ctrl-Z) is paused, not hung: the monitor holds while it is
+stopped, logs the stop on the page for the watchdog, and moves its own deadline on by it.
 Run as ``python -m pytest_torchhang.monitor PYTEST_PID FD DUMP_DIR REPORT_DIR BOARD [--spare-root]``;
 with ``--spare-root`` (pytest runs in a thread of a host program, such as an IDE) it reports and
 kills the test's processes but never the host. ``MonitorClient`` is the pytest side.
@@ -19,6 +23,7 @@ import signal
 import sys
 
 from .. import clock
+from . import evidence
 from .page import DeadlineBoard
 
 #: How long after the deadline the watchdog thread has to say it fired.
@@ -37,7 +42,7 @@ def _take_over(
     dump_dir: str,
     report_dir: str,
     armed: tuple[float, float, frozenset[tuple[int, int]], str],
-    fired: bool,
+    seen: evidence.Evidence,
     spare_root: bool,
 ) -> None:
     import site
@@ -74,26 +79,17 @@ def _take_over(
             headline=f"HANG in {test_id}: the stacks could not be taken",
             notes=[f"pytest-torchhang's last-resort capture failed: {exc}"],
         )
-    why = (
-        "the test did not finish after the watchdog had fired and killed its children"
-        if fired
-        else "the pytest process's own watchdog could not run"
-    )
     ending = (
         "pytest runs in a thread of a host program here, which pytest-torchhang never kills: the "
         "test's processes are killed, and the test stays blocked until that call returns"
         if spare_root
         else "pytest-torchhang ends the whole session here"
     )
+    thread = "pytest thread" if spare_root else "main thread"
+    call = "" if spare_root else evidence.the_call(report, pytest_pid, pytest_pid)
     report.hints.insert(
         0,
-        Hint(
-            f"{why}: its {'pytest thread' if spare_root else 'main thread'} is blocked in C "
-            "code holding the GIL (or the process is frozen), "
-            f"so nothing inside it can move. {ending}; the stack of the pytest process below "
-            "shows the call that blocks.",
-            [f"pytest (pid {pytest_pid})"],
-        ),
+        Hint(evidence.sentence(seen, thread, call, ending), [f"pytest (pid {pytest_pid})"]),
     )
     banner = "!" * 30 + " pytest-torchhang: session stopped " + "!" * 30
     text = report.to_text().rsplit("\ncleanup:", 1)[0]  # printed before the kill: no cleanup yet
@@ -124,23 +120,33 @@ def main(argv: list[str]) -> int:
     # A monitor restarted late may find a deadline already past on the page: the watchdog,
     # which restarted it, gets its grace from now, not from then.
     earliest = clock.monotonic() + GIL_GRACE_S
+    stops = _Stops(pytest_pid, board)
+    counting: tuple[int, float] = (-1, 0.0)  # (generation, since when the monitor counts it)
     while True:
         current = board.read()
         if current is None or (fired is not None and fired[0] != current[0]):
             fired = None  # disarmed, or a new deadline since: an earlier fire no longer counts
+        now = clock.monotonic()
+        resumed = stops.look(now)
+        if resumed:  # the watchdog gets its grace from now, to move its deadline by the stop
+            earliest = max(earliest, now + GIL_GRACE_S)
         due = None
         if current is not None:
+            if counting[0] != current[0]:
+                counting = (current[0], now - POLL_S)  # written since the last look
+            since = fired[1] if fired is not None else counting[1]
             due = fired[1] + HARD_GRACE_S if fired is not None else current[1] + GIL_GRACE_S
-            due = max(due, earliest)
-        now = clock.monotonic()
-        if current is not None and due is not None and now >= due:
+            # a stopped pytest is paused, not hung: its deadline moves on by the stop
+            due = max(due + board.stopped_between(since, now), earliest)
+        if current is not None and due is not None and now >= due and not stops.stopped:
             deadline, timeout_s, before, test_id = current[1:]
+            seen = evidence.gather(pytest_pid, fired is not None, deadline, board.last_beat())
             _take_over(
                 pytest_pid,
                 dump_dir,
                 report_dir,
                 (deadline, timeout_s, before, test_id),
-                fired is not None,
+                seen,
                 spare_root,
             )
             if spare_root:  # the host goes on: so does the monitor, for later tests
@@ -167,3 +173,31 @@ def main(argv: list[str]) -> int:
                     armed_now = board.read()
                     if armed_now is not None:
                         fired = (armed_now[0], clock.monotonic())
+
+
+class _Stops:
+    """Whether pytest is stopped by job control (Ctrl-Z, SIGSTOP) or a debugger, logged on the
+    page for its watchdog: a stop is logged from the last look that saw pytest running to the
+    first that sees it running again (at most a look's interval too long on each side)."""
+
+    def __init__(self, pytest_pid: int, board: DeadlineBoard) -> None:
+        self._pid = pytest_pid
+        self._board = board
+        self._running_at = clock.monotonic()
+        self._state = ""
+        self.stopped = False
+
+    def look(self, now: float) -> bool:
+        """Read pytest's state; True when it runs again after a stop."""
+        state, before = evidence.state_of(self._pid), self._state
+        self._state = state
+        stopped = evidence.is_stopped(state, before)
+        if stopped and not self.stopped:
+            self._board.stop_began(self._running_at)
+        elif self.stopped and not stopped:
+            self._board.stop_ended(now)
+        resumed = self.stopped and not stopped
+        self.stopped = stopped
+        if not stopped:
+            self._running_at = now
+        return resumed

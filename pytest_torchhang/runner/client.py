@@ -187,7 +187,9 @@ class Runner:
     _ids = itertools.count()
 
     def __init__(
-        self, pause_deadline: Callable[[], AbstractContextManager[None]] | None = None
+        self,
+        pause_deadline: Callable[[], AbstractContextManager[None]] | None = None,
+        stopped_between: Callable[[float, float], float] | None = None,
     ) -> None:
         self.workdir = tempfile.mkdtemp(prefix="torchhang-run-")
         self.dump_dir = os.path.join(self.workdir, "dumps")
@@ -197,6 +199,9 @@ class Runner:
         # The zygote's start (an import of torch, seconds) is the session's cost, not the test's
         # that happens to need it first: its deadline is paused meanwhile.
         self._pause_deadline = pause_deadline or contextlib.nullcontext
+        #: how long pytest was stopped (Ctrl-Z) between two times: a call's deadline moves on
+        #: by it, as the test's does (the monitor's log; read only when a call's time is up)
+        self.stopped_between = stopped_between or _never_stopped
 
     def use_dump_dir(self, dump_dir: str) -> None:
         """Have children dump their stacks (and state their roles) into the guard's directory,
@@ -404,12 +409,17 @@ def _forkserver_process(request: str, role: str) -> Any:
     return process
 
 
+def _never_stopped(since: float, now: float) -> float:
+    return 0.0
+
+
 def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error: bool) -> float:
     """Wait (bounded) until every child exits, or one fails when ``stop_on_error``.
 
     Returns the time left (<= 0: the deadline passed with children still running).
     """
-    deadline = clock.monotonic() + timeout
+    counted = clock.monotonic()  # stops of pytest (Ctrl-Z) before this are in the deadline
+    deadline = counted + timeout
     delay = 0.001
     while True:
         running = [c for c in children if not runner.poll(c)]
@@ -417,9 +427,14 @@ def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error
             return deadline - clock.monotonic()
         if stop_on_error and any(runner.failed(c) for c in children):
             return deadline - clock.monotonic()
-        left = deadline - clock.monotonic()
+        now = clock.monotonic()
+        left = deadline - now
         if left <= 0:
-            return left
+            stopped, counted = runner.stopped_between(counted, now), now
+            if stopped <= 0:
+                return left
+            deadline += stopped  # paused, not hung: the call's clock stood still meanwhile
+            continue
         zygote = runner.live_zygote()
         if zygote is not None and all(c.method == "zygote" for c in running):
             zygote.wait_event(min(0.05, left))  # returns as soon as the zygote reports an exit

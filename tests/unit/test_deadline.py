@@ -246,6 +246,67 @@ def test_while_paused_the_model_sleeps() -> None:
     assert dl.monitor_due(state, decision.wake) == INF
 
 
+# --- stops by job control (Ctrl-Z), learnt after the fact ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schedule", "fires_at"),
+    [
+        # learnt as the limit came due (the shell asks then): due 3 s later
+        ([(8.0, dl.Stopped(3.0))], 11.0),
+        # two stops, each learnt as the limit came due, or one earlier
+        ([(8.0, dl.Stopped(3.0)), (11.0, dl.Stopped(5.0))], 16.0),
+        ([(8.0, dl.Stopped(3.0)), (10.0, dl.Stopped(5.0))], 16.0),
+        # a stop during a pause (a debugger's) moves nothing: the clocks stood still already
+        ([(2.0, dl.Pause()), (9.0, dl.Stopped(4.0)), (10.0, dl.Resume())], 16.0),
+        # nothing, or a stop of no length: the limit fires as ever
+        ([], 8.0),
+        ([(5.0, dl.Stopped(0.0))], 8.0),
+    ],
+    ids=["one-stop", "two-stops-each-at-its-due", "two-stops", "during-a-pause", "none", "zero"],
+)
+def test_a_stop_moves_every_clock_on_by_its_length(
+    schedule: list[tuple[float, dl.Event]], fires_at: float
+) -> None:
+    state = dl.start(0.0, {Source.TIMEOUT: 8.0})
+    _, fires, _ = simulate(state, schedule, until=60.0)
+    assert fires == [Fired(fires_at, Kind.HANG, Source.TIMEOUT)]
+
+
+def test_a_stop_learnt_long_after_the_deadline_fires_nothing() -> None:
+    # 4 s into an 8 s limit, stopped 15 s: the shell runs again, and learns of it, at 19
+    state = dl.start(0.0, {Source.TIMEOUT: 8.0})
+    state, decision = dl.decide(state, dl.Stopped(15.0), 19.0)
+    assert decision == dl.Decision(None, 23.0)
+    assert dl.monitor_due(state, decision.wake) == 23.0
+
+
+def test_a_stop_moves_the_stall_clock_and_the_grace_too() -> None:
+    state = dl.start(0.0, {Source.TIMEOUT: 30.0}, stall_s=4.0, grace_s=5.0)
+    state, _ = dl.decide(state, dl.Progress(2.0), 2.0)
+    state, decision = dl.decide(state, dl.Stopped(10.0), 13.0)  # stopped from 3 to 13
+    assert decision == dl.Decision(None, 16.0)  # 2 + 4, moved on by 10
+    state, _ = dl.decide(state, dl.CallStarted(1, 1.0), 13.0)
+    state, _ = dl.decide(state, dl.CallEnded(1, hung=True), 14.0)  # its grace: due at 19
+    state, decision = dl.decide(state, dl.Stopped(3.0), 18.0)
+    assert state.phase is Phase.DELIVERED and decision == dl.Decision(None, 22.0)
+
+
+def test_a_stop_never_moves_a_stall_clock_past_now() -> None:
+    # the last beat came at 1; learnt at 3, a stop of 10 s (longer than the time since: an
+    # over-long log) leaves the stall clock counting from now, not from the future
+    state = dl.start(0.0, {}, stall_s=4.0)
+    state, _ = dl.decide(state, dl.Progress(1.0), 1.0)
+    state, decision = dl.decide(state, dl.Stopped(10.0), 3.0)
+    assert state.progress_at == 3.0 and decision.wake == 7.0
+
+
+def test_a_stop_after_disarm_changes_nothing() -> None:
+    state, _ = dl.decide(dl.start(0.0, {Source.TIMEOUT: 5.0}), dl.Disarm(), 1.0)
+    after, decision = dl.decide(state, dl.Stopped(3.0), 2.0)
+    assert after == state and decision.action is None
+
+
 # --- fixture calls --------------------------------------------------------------------------
 
 
@@ -401,6 +462,7 @@ EVENTS: list[dl.Event] = [
     dl.Progress(1.0),
     dl.Pause(),
     dl.Resume(),
+    dl.Stopped(2.0),
     dl.PhaseStarted("call"),
     dl.PhaseEnded(),
     dl.CallStarted(1, 1.0),

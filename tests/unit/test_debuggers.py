@@ -158,6 +158,40 @@ def test_the_trace_the_test_had_at_its_phases_start_counts() -> None:
     assert watch.debugger() is None
 
 
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ((True, "pydevd"), "a trace function from pydevd"),  # set in the test's body
+        ((True, "coverage.pytracer"), None),  # coverage is no debugger
+        ((True, None), None),
+        ((False, None), None),  # no answer in time (a call no signal interrupts): no debugger
+    ],
+)
+def test_the_tests_thread_is_asked_itself_when_its_frames_show_nothing(
+    answer: tuple[bool, str | None], expected: str | None
+) -> None:
+    answered, module = answer
+    trace = _module(module).trace_dispatch if module is not None else None
+    asked: list[int] = []
+
+    def ask() -> tuple[bool, object]:
+        asked.append(1)
+        return answered, trace
+
+    watch = DebuggerWatch("t", threading.get_ident(), tool=lambda: None, ask=ask)
+    assert watch.debugger() == expected
+    assert asked == [1]
+
+
+def test_the_tests_thread_is_not_asked_when_its_frames_already_show_a_debugger() -> None:
+    def ask() -> tuple[bool, object]:
+        raise AssertionError("asked, though the trace at the phase's start was a debugger's")
+
+    watch = DebuggerWatch("t", threading.get_ident(), tool=lambda: None, ask=ask)
+    watch.saw(_module("pydevd").trace_dispatch)
+    assert watch.debugger() == "a trace function from pydevd"
+
+
 def test_a_failing_check_is_no_debugger() -> None:
     def broken() -> dict[int, types.FrameType]:
         raise RuntimeError("no frames")
