@@ -14,6 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .model import Collective, Frame, ProcessReport, ThreadStack
+from .waits import LISTENING
 
 #: Roles of processes that wait by design (helpers) or that the test did not start (context):
 #: they come last, whatever their stacks.
@@ -214,8 +215,50 @@ def plural(role: str) -> str:
     return f"{head} {many}" if head else many
 
 
+#: Where a service loop waits for its next client or task, by (file suffix, function): a
+#: socketserver's ``serve_forever``, an idle ``ProcessPoolExecutor`` worker.
+_SERVICE_LOOPS = (
+    ("/socketserver.py", ("serve_forever",)),
+    ("concurrent/futures/process.py", ("_process_worker",)),
+)
+
+#: Where a service loop waits: its selector, or the queue it takes its next task from.
+_WAITING_IN = (
+    "/selectors.py",
+    "/socketserver.py",
+    "/threading.py",
+    "/queue.py",
+    "multiprocessing/queues.py",
+    "multiprocessing/connection.py",
+    "multiprocessing/synchronize.py",
+)
+
+
+def idle_service(proc: ProcessReport) -> bool:
+    """A healthy service waiting for work: every thread of its that the kernel shows waits for
+    a client to connect (a listening socket), or its main thread waits in a service loop for
+    the next request. It waits by design: a helper, never the odd one out or the culprit."""
+    if proc.busy or proc.exit_status or proc.state.startswith("stopped"):
+        return False
+    main = main_thread(proc)
+    frames = main.frames if main is not None else []
+    loop = next((i for i, f in enumerate(frames) if _in(f, _SERVICE_LOOPS)), None)
+    if loop is not None:  # waiting in the loop's own wait, not running a request's handler
+        return all(f.filename.replace(os.sep, "/").endswith(_WAITING_IN) for f in frames[:loop])
+    tasks = [t for t in proc.tasks if t.waits_for]
+    return (
+        bool(tasks)
+        and len(tasks) == len(proc.tasks)
+        and all(t.waits_for and all(e.kind == LISTENING for e in t.waits_for) for t in tasks)
+    )
+
+
 def _is_background(proc: ProcessReport) -> bool:
-    return any(word in proc.role for word in HELPERS) or proc.role_data().kind.startswith(HELPERS)
+    return (
+        any(word in proc.role for word in HELPERS)
+        or proc.role_data().kind.startswith(HELPERS)
+        or idle_service(proc)
+    )
 
 
 def group_processes(

@@ -1,4 +1,4 @@
-"""Rules read from the wait-for graph: stopped, dead, deadlock, nothing can release, sleeper,
+"""Rules read from the wait-for graph: stopped, dead, deadlock, nobody left to release, sleeper,
 outside peer, a poll loop whose producer failed, a server that never answers, busy."""
 
 from __future__ import annotations
@@ -113,22 +113,43 @@ def _why_alone(proc: ProcessReport, task: TaskWait | None, name: str, forked: bo
     edges = task.waits_for if task else []
     private = task is not None and isinstance(task.wait, Futex) and task.wait.private
     if private and any(e.kind == NOBODY for e in edges):
-        reason = f"it is the only thread of its process{' (threads are not copied by fork)' if forked else ''}"
+        reason = "it is the only thread of its process"
+        if forked and name != "Future.result()":
+            # what it waits for may be its own (made after the fork): say the condition
+            reason += (
+                "; if what it waits for was made before the fork, the thread that was to end "
+                "the wait stayed in the parent (threads are not copied by fork)"
+            )
     elif any(e.kind == HOLDS_WRITE_END and e.pid == proc.pid for e in edges):
         reason = "the only write end of the pipe it reads is its own"
     else:
         reason = "every other thread of its process waits too"
     if name == "Future.result()":
-        reason += "; a Future is completed by a pool thread, and the pool's threads were not copied by fork, so nothing will run the task"
+        reason += (
+            "; a Future is completed by a pool thread, and the pool's threads were not copied "
+            "by fork, so no thread is left to run the task"
+        )
     elif name.startswith(("Event.", "Condition.", "Barrier.")):
-        reason += f"; no live thread can set the {name.split('.')[0]}"
+        reason += f"; no live thread of it is left to set the {name.split('.')[0]}"
     elif "acquire" in name:
-        reason += "; nobody can release the lock"
+        reason += "; no other thread of it is left to release the lock"
     return reason
 
 
+def _waits_in(proc: ProcessReport, task: TaskWait | None, name: str, frame: Frame | None) -> str:
+    """``Event.wait() at test_x.py:17``; for a process without a Python stack, what the kernel
+    shows (``the system call read(fd 16: pipe:[5]) [anon_pipe_read]``) and why there is no
+    stack: never an empty blank."""
+    if name or proc.stuck_at:
+        return f"{name or proc.stuck_at}{located(frame)}"
+    call = f"the system call {task.summary()}" if task and task.call else "an unknown place"
+    why = proc.dump_status.removeprefix("no stack: ") if proc.dump_status != "ok" else ""
+    return f"{call} (no Python stack{': ' + why if why else ''}; command line: {proc.cmdline})"
+
+
 def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]:
-    """Processes that wait only for each other (a deadlock), or for a wait nothing can end."""
+    """Processes that wait only for each other (a deadlock), or for a wait that no thread or
+    process of the test is left to end (a signal may still: ``enders`` says)."""
     by_pid = {p.pid: p for p in procs}
     knot = find_knot(procs)
     hints = []
@@ -148,8 +169,9 @@ def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]
                 name, frame = primitive(task_thread(proc, task) if task else main_thread(proc))
                 forked = fork_parent(proc, by_pid) is not None or is_worker(proc)
                 parts.append(
-                    f"{who(proc)} waits in {name or proc.stuck_at}{located(frame)}, and nothing can "
-                    f"end that wait: {_why_alone(proc, task, name, forked)}"
+                    f"{who(proc)} waits in {_waits_in(proc, task, name, frame)}, and no thread "
+                    f"or process of the test is left to end that wait: "
+                    f"{_why_alone(proc, task, name, forked)}"
                 )
             others = [p for p in listed if p not in alone]
             text = ". ".join(parts) + "."
