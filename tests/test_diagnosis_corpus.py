@@ -270,6 +270,37 @@ LABELS: dict[str, Label] = {
         "release it before joining",
         role="target=_handle",
     ),
+    # waits a signal or an alarm would still end (corpus_signals.py): the hint says which, and
+    # what is missing, never "nothing can end that wait"
+    "test_signals_worker_ended_by_sigterm_joined_without_terminate": _label(
+        "nobody",
+        "event.wait()",
+        "a sigterm would run its python handler",
+        "nobody sends one",
+        "process.join()",
+        "no terminate()",
+        role="target=_serve_until_terminated",
+    ),
+    "test_signals_test_under_its_own_alarm_hangs_on_a_lock": _label(
+        "nobody",
+        "lock.acquire()",
+        "its own alarm (signal.alarm or setitimer) is due in",
+        "its python handler _expire()",
+        role="pytest",
+    ),
+    # an idle, healthy HTTP server beside the test's own deadlock: the test is the story
+    "test_signals_idle_http_server_beside_a_test_deadlocked_on_its_lock": _label(
+        "nobody", "lock.acquire()", role="pytest"
+    ),
+    # no stack (its descriptors closed, the dump handler's too): what the kernel shows, and why
+    "test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever": _label(
+        "nobody",
+        "the system call read(",
+        "no python stack: the process closed or replaced its dump file",
+        "the only write end of the pipe it reads is its own",
+        "by its default action",
+        role="child process",
+    ),
     # distributed: gloo ranks
     "test_distributed_ddp_uneven_inputs": _label(
         "collectives", "rank 1/2 in barrier", "Flight recorder", "from DDP's forward", role="rank"
@@ -358,7 +389,7 @@ def _scenarios() -> dict[str, str]:
 #: without torch), but beside the rest of the suite a worker forked at 2 s could still be
 #: starting (seen: a worker using CPU at the capture, told "busy"): 3 s leaves the margin;
 #: gloo ranks first meet through their store and build DDP models.
-DEADLINE_S = {"loading": 3.0, "sharing": 3.0, "distributed": 3.0, "waits": 3.0}
+DEADLINE_S = {"loading": 3.0, "sharing": 3.0, "distributed": 3.0, "waits": 3.0, "signals": 3.0}
 
 #: Scenarios run per inner session: each hangs until its deadline, so a chunk takes about
 #: half a minute and pytest-xdist spreads the chunks over its workers, while each session's

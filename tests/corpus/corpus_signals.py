@@ -1,0 +1,72 @@
+"""Corpus: waits a signal or an alarm would still end, an idle server beside the hang, and a
+child without a stack (no torch in the children)."""
+
+import http.server
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+
+FORK = mp.get_context("fork")
+
+
+def _serve_until_terminated():
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # stopped by terminate()
+    threading.Event().wait()
+
+
+def test_signals_worker_ended_by_sigterm_joined_without_terminate():
+    worker = FORK.Process(target=_serve_until_terminated)
+    worker.start()
+    worker.join()  # worker.terminate() was forgotten
+
+
+class _GuardExpired(Exception):
+    pass
+
+
+def _expire(signum, frame):
+    raise _GuardExpired("the test's own 30 s guard")
+
+
+def test_signals_test_under_its_own_alarm_hangs_on_a_lock():
+    previous = signal.signal(signal.SIGALRM, _expire)
+    signal.alarm(30)
+    try:
+        lock = threading.Lock()
+        with lock:
+            lock.acquire()  # taken twice: its own guard would end it, in 30 s
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _serve_http():
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    server.serve_forever()
+
+
+def test_signals_idle_http_server_beside_a_test_deadlocked_on_its_lock():
+    server = FORK.Process(target=_serve_http, daemon=True)
+    server.start()
+    lock = threading.Lock()
+    with lock:
+        lock.acquire()  # the test's own deadlock; the server is idle and healthy
+
+
+def _daemonise_and_read():
+    os.setsid()
+    read_end, write_end = os.pipe()
+    low, high = sorted((read_end, write_end))
+    # a daemon closes what it inherited (the dump handler's file too)
+    os.closerange(0, low)
+    os.closerange(low + 1, high)
+    os.closerange(high + 1, 256)
+    os.read(read_end, 1)
+
+
+def test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever():
+    child = FORK.Process(target=_daemonise_and_read)
+    child.start()
+    child.join()
