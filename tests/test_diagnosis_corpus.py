@@ -275,7 +275,7 @@ LABELS: dict[str, Label] = {
     "test_signals_worker_ended_by_sigterm_joined_without_terminate": _label(
         "nobody",
         "event.wait()",
-        "a sigterm would run its python handler",
+        "a sigterm would run its python handler (a lambda in _serve_until_terminated)",
         "nobody sends one",
         "process.join()",
         "no terminate()",

@@ -29,7 +29,10 @@ def _handler_words(disposition: str) -> str:
     name = disposition.removeprefix("handler").strip()
     if not name:
         return "the handler it installed (SigCgt)"
-    return "its Python handler (a lambda)" if name == "<lambda>" else f"its Python handler {name}()"
+    if name.endswith("<lambda>"):
+        owner = name.removesuffix("<lambda>").removesuffix(".<locals>.")
+        return f"its Python handler (a lambda{' in ' + owner if owner else ''})"
+    return f"its Python handler {name}()"
 
 
 def _joiner(proc: ProcessReport, procs: list[ProcessReport]) -> str:
