@@ -292,6 +292,13 @@ LABELS: dict[str, Label] = {
     "test_signals_idle_http_server_beside_a_test_deadlocked_on_its_lock": _label(
         "nobody", "lock.acquire()", role="pytest"
     ),
+    "test_signals_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock": _label(
+        "nobody",
+        "lock.acquire()",
+        "idle services that only wait for work",
+        "thread 'http-server' in serve_forever, for a client of 127.0.0.1:",
+        role="pytest",
+    ),
     # no stack (its descriptors closed, the dump handler's too): what the kernel shows, and why
     "test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever": _label(
         "nobody",

@@ -2,10 +2,10 @@
 tells one story (headline, culprits and cause name the same processes) and never says "nothing
 can end that wait" of a wait that a SIGTERM, the test's own alarm or ``terminate()`` would end.
 
-Real sessions: the scenarios of ``tests/corpus/corpus_signals.py`` (a worker with a SIGTERM
+A real session of the scenarios of ``tests/corpus/corpus_signals.py``: a worker with a SIGTERM
 handler joined without ``terminate()``, a test under its own ``signal.alarm(30)`` guard, an idle
-HTTP server process beside a test deadlocked on its own lock, a setsid'd daemon child with its
-descriptors closed), and an idle ``http.server`` *thread* beside the same deadlock. No torch.
+HTTP server (a process, and a thread of the test's own process) beside a test deadlocked on its
+own lock, a setsid'd daemon child with its descriptors closed. No torch.
 """
 
 from __future__ import annotations
@@ -19,19 +19,6 @@ from outcomes import assert_outcomes
 
 CORPUS = Path(__file__).parent / "corpus" / "corpus_signals.py"
 TIMEOUT_S = 3.0
-
-SERVER_THREAD = """
-import http.server
-import threading
-
-
-def test_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock():
-    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    threading.Thread(target=server.serve_forever, name="http-server", daemon=True).start()
-    lock = threading.Lock()
-    with lock:
-        lock.acquire()
-"""
 
 
 def _reports(folder: Path) -> dict[str, dict[str, Any]]:
@@ -64,9 +51,7 @@ def _one_story(doc: dict[str, Any]) -> None:
 def test_waits_a_signal_would_end_are_told_so_and_an_idle_server_is_no_culprit(
     guarded: GuardedRunner,
 ) -> None:
-    guarded.pytester.makepyfile(
-        test_corpus_signals=CORPUS.read_text(), test_server_thread=SERVER_THREAD
-    )
+    guarded.pytester.makepyfile(test_corpus_signals=CORPUS.read_text())
     reports = guarded.pytester.path / "reports"
     session = guarded.run(f"--torch-hang-report-dir={reports}", timeout=TIMEOUT_S, wait_s=240)
     assert_outcomes(session.result, hang=5)
@@ -94,8 +79,12 @@ def test_waits_a_signal_would_end_are_told_so_and_an_idle_server_is_no_culprit(
     assert server["culprits"] == [root], server["headline"]
     assert "_serve_http" not in server["headline"] and "Lock.acquire()" in server["cause"]
 
-    thread = docs["test_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock"]
+    thread = docs["test_signals_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock"]
     assert thread["culprits"] == [p["pid"] for p in thread["processes"] if p["role"] == "pytest"]
+    assert (
+        "idle services that only wait for work (thread 'http-server' in serve_forever"
+        in (thread["cause"])
+    )
 
     daemon = docs["test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever"]
     assert "waits in the system call read(fd " in daemon["cause"]

@@ -11,6 +11,7 @@ from ..report.model import Hint, ProcessReport
 from .frames import waits_in_user_code
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
 from .rules.aio import hint_asyncio
+from .rules.beside import hint_beside_idle_services
 from .rules.distributed import hint_collectives, hint_rank_gone
 from .rules.enders import add_signal_enders
 from .rules.loading import (
@@ -212,6 +213,7 @@ RULES: tuple[Rule, ...] = (
     hint_pipe,
     hint_openmp_after_fork,
     hint_cuda_before_fork,
+    hint_beside_idle_services,
     hint_sleeper,
     hint_outside,
 )

@@ -13,7 +13,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from .model import Collective, Frame, ProcessReport, ThreadStack
+from .model import Collective, Frame, ProcessReport, TaskWait, ThreadStack
 from .waits import LISTENING
 
 #: Roles of processes that wait by design (helpers) or that the test did not start (context):
@@ -220,6 +220,7 @@ def plural(role: str) -> str:
 _SERVICE_LOOPS = (
     ("/socketserver.py", ("serve_forever",)),
     ("concurrent/futures/process.py", ("_process_worker",)),
+    ("concurrent/futures/thread.py", ("_worker",)),
 )
 
 #: Where a service loop waits: its selector, or the queue it takes its next task from.
@@ -234,23 +235,39 @@ _WAITING_IN = (
 )
 
 
+def idle_loop(frames: list[Frame]) -> bool:
+    """The stack (innermost first) waits in a service loop's own wait for its next request or
+    task, not in a request's handler."""
+    loop = next((i for i, f in enumerate(frames) if _in(f, _SERVICE_LOOPS)), None)
+    return loop is not None and all(
+        f.filename.replace(os.sep, "/").endswith(_WAITING_IN) for f in frames[:loop]
+    )
+
+
+def idle_service_thread(proc: ProcessReport, task: TaskWait) -> bool:
+    """A thread that only waits for work: in a service loop's wait (its Python stack), or for a
+    client to connect to a listening socket (the kernel's evidence)."""
+    thread = next((t for t in proc.threads if task.python_thread == t.ident), None)
+    if thread is not None and task.python_thread and idle_loop(thread.frames):
+        return True
+    return bool(task.waits_for) and all(e.kind == LISTENING for e in task.waits_for)
+
+
 def idle_service(proc: ProcessReport) -> bool:
-    """A healthy service waiting for work: every thread of its that the kernel shows waits for
-    a client to connect (a listening socket), or its main thread waits in a service loop for
-    the next request. It waits by design: a helper, never the odd one out or the culprit."""
+    """A healthy service waiting for work: its main thread waits in a service loop for the
+    next request (a socketserver, an executor's worker, an asyncio loop with no task), or
+    every thread of its waits for a client to connect. It waits by design: a helper, never
+    the odd one out or the culprit."""
     if proc.busy or proc.exit_status or proc.state.startswith("stopped"):
         return False
     main = main_thread(proc)
-    frames = main.frames if main is not None else []
-    loop = next((i for i, f in enumerate(frames) if _in(f, _SERVICE_LOOPS)), None)
-    if loop is not None:  # waiting in the loop's own wait, not running a request's handler
-        return all(f.filename.replace(os.sep, "/").endswith(_WAITING_IN) for f in frames[:loop])
-    tasks = [t for t in proc.tasks if t.waits_for]
-    return (
-        bool(tasks)
-        and len(tasks) == len(proc.tasks)
-        and all(t.waits_for and all(e.kind == LISTENING for e in t.waits_for) for t in tasks)
-    )
+    if main is not None:
+        loops = [loop for loop in proc.event_loops if loop.thread == main.ident]
+        if loops and all(not loop.tasks and not loop.tasks_left_out for loop in loops):
+            return True
+        if any(_in(f, _SERVICE_LOOPS) for f in main.frames):
+            return idle_loop(main.frames)
+    return bool(proc.tasks) and all(idle_service_thread(proc, t) for t in proc.tasks)
 
 
 def _is_background(proc: ProcessReport) -> bool:

@@ -55,6 +55,18 @@ def test_signals_idle_http_server_beside_a_test_deadlocked_on_its_lock():
         lock.acquire()  # the test's own deadlock; the server is idle and healthy
 
 
+def test_signals_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock():
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, name="http-server", daemon=True).start()
+    try:
+        lock = threading.Lock()
+        with lock:
+            lock.acquire()  # the same deadlock, the server a thread of the test's own process
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _daemonise_and_read():
     os.setsid()
     read_end, write_end = os.pipe()

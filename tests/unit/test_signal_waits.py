@@ -30,8 +30,8 @@ def _replayed(path: Path, replay: Replay) -> tuple[HangReport, str, list[int], s
     return report, replay.headline(report), culprits, engine.cause(found, processes, root.pid)
 
 
-def test_the_four_situations_are_recorded() -> None:
-    assert len(SIGNALS) == 4, [p.stem for p in SIGNALS]
+def test_the_five_situations_are_recorded() -> None:
+    assert len(SIGNALS) == 5, [p.stem for p in SIGNALS]
 
 
 @pytest.mark.parametrize("path", SIGNALS, ids=[p.stem for p in SIGNALS])
@@ -99,6 +99,19 @@ def test_an_idle_http_server_is_a_helper_not_the_culprit(replay: Replay) -> None
     # in the text, the server comes after the test, with the helpers
     order = [g.pids for g in groups.group_processes(report.processes, culprits)]
     assert order.index([server.pid]) > order.index(culprits)
+
+
+def test_an_idle_http_server_thread_is_no_thread_that_would_release_the_lock(
+    replay: Replay,
+) -> None:
+    cause, headline, culprits, report = _story(
+        "test_signals_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock", replay
+    )
+    assert culprits == [p.pid for p in report.processes if p.role == "pytest"]
+    assert "waits in Lock.acquire() at test_corpus_signals.py:" in cause
+    assert "idle services that only wait for work (thread 'http-server' in serve_forever" in cause
+    assert "no process of the test is connecting" in cause
+    assert headline.endswith("stuck in " + report.test_id.split("::")[-1])
 
 
 def test_a_child_without_a_stack_is_told_by_what_the_kernel_shows(replay: Replay) -> None:

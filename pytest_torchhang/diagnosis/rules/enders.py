@@ -64,10 +64,13 @@ def _sigterm(
 ) -> str:
     kind = facts.disposition("SIGTERM")
     joiner = _joiner(proc, procs)
-    installed = kind.startswith("handler")
-    if not (installed or (nobody and joiner)):
+    # a Python handler of the user's says the process is meant to be stopped by a signal; a C
+    # library's (torch's DataLoader workers exit on their parent's SIGTERM) is told only where
+    # the rule's words were "nothing can end" and a parent joins it
+    python = kind.startswith("handler ")
+    if not (python or (nobody and joiner)):
         return ""
-    if installed:
+    if kind.startswith("handler"):
         said = f"a SIGTERM would run {_handler_words(kind)}"
     elif kind == "default":
         said = "a SIGTERM (Process.terminate()) would end it by its default action"
