@@ -49,7 +49,7 @@ def hint_stopped(procs: list[ProcessReport]) -> list[Hint]:
         waiters = edges_to(procs, proc.pid)
         text = (
             f"{who(proc)} is stopped (SIGSTOP or SIGTSTP, or a debugger holds it){where}: it "
-            "does nothing until it gets SIGCONT, and whatever waits for it waits forever. Look for "
+            "does nothing until it gets SIGCONT, and whatever waits for it waits until then. Look for "
             "what stopped it (a kill -STOP, a job-control signal, a tracer)."
         )
         if waiters:
