@@ -173,3 +173,42 @@ def test_signal_facts_survive_the_json_document(replay: Replay) -> None:
         again = HangReport.from_json(report.to_json())
         assert [p.signals for p in again.processes] == [p.signals for p in report.processes]
         assert any(p.signals is not None for p in report.processes)
+
+
+@pytest.mark.parametrize(
+    ("facts", "expected"),
+    [
+        (
+            {"ignored": ["SIGTERM"], "handlers": {}},
+            "SIGTERM is ignored there: terminate() would not end it (kill() would)",
+        ),
+        (
+            {"blocked": ["SIGTERM"], "handlers": {}},
+            "SIGTERM is blocked there: terminate() would not end it (kill() would)",
+        ),
+        (
+            {"handlers": {}, "alarm_s": 5.0},
+            "its own alarm (signal.alarm or setitimer) is due in 5.0s, and SIGALRM's default "
+            "action will end the process",
+        ),
+        (
+            {"ignored": ["SIGALRM"], "handlers": {}, "alarm_s": 5.0},
+            "but SIGALRM is ignored there: it will not end the wait",
+        ),
+        ({"caught": ["SIGUSR1"], "handlers": {"SIGUSR1": "dump"}}, "a SIGUSR1 would run its "),
+    ],
+)
+def test_what_the_joined_worker_would_be_told_under_other_dispositions(
+    facts: dict[str, object], expected: str, replay: Replay
+) -> None:
+    """The recorded worker's wait, its signal facts varied: each disposition in its words."""
+    from pytest_torchhang.diagnosis.rules.enders import clauses
+    from pytest_torchhang.report.signals import from_json
+
+    (path,) = [p for p in SIGNALS if "sigterm" in p.stem]
+    processes = replay.diagnosed(replay.load(path))
+    (worker,) = [p for p in processes if "_serve_until_terminated" in p.role]
+    worker.signals = from_json(facts)
+    assert any(expected in clause for clause in clauses(worker, processes, nobody=True)), clauses(
+        worker, processes, nobody=True
+    )

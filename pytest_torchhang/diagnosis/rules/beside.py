@@ -8,9 +8,10 @@ from __future__ import annotations
 from ...report.groups import idle_service_thread
 from ...report.model import Hint, ProcessReport, TaskWait
 from ...report.waits import LISTENING, THREAD, Futex, Socket
-from ..frames import located, primitive
+from ..frames import primitive
 from ..graph import ignored, main_task, task_thread, wait_kind, who
 from ..roles import is_helper
+from .waits import waits_in_words
 
 #: The frames every ``threading`` thread has at its bottom: not where it serves.
 _START = ("_bootstrap", "_bootstrap_inner", "run")
@@ -56,7 +57,7 @@ def hint_beside_idle_services(procs: list[ProcessReport]) -> list[Hint]:
         )
         hints.append(
             Hint(
-                f"{who(proc)} waits in {name or proc.stuck_at}{located(frame)}, and no thread "
+                f"{who(proc)} waits in {waits_in_words(proc, task, name, frame)}, and no thread "
                 f"or process of the test is left to end that wait: its other thread(s) are idle "
                 f"services that only wait for work ({services}){clients}; no other thread of it "
                 f"is left to {tail}.",

@@ -132,6 +132,8 @@ def add_signal_enders(found: list[Hint], procs: list[ProcessReport]) -> None:
             if proc is None or not said:
                 continue
             hint.text += (
-                f" A signal would still end the wait of {who(proc)}: " + "; ".join(said) + "."
+                f" What a signal would still do to the wait of {who(proc)}: "
+                + "; ".join(said)
+                + "."
             )
             hint.based_on.append(evidence(proc))

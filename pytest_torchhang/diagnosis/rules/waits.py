@@ -49,8 +49,8 @@ def hint_stopped(procs: list[ProcessReport]) -> list[Hint]:
         waiters = edges_to(procs, proc.pid)
         text = (
             f"{who(proc)} is stopped (SIGSTOP or SIGTSTP, or a debugger holds it){where}: it "
-            "does nothing until it gets SIGCONT, and whatever waits for it waits until then. Look for "
-            "what stopped it (a kill -STOP, a job-control signal, a tracer)."
+            "does nothing until it gets SIGCONT, and whatever waits for it waits until then. "
+            "Look for what stopped it (a kill -STOP, a job-control signal, a tracer)."
         )
         if waiters:
             text += f" Waiting for it: {waiters_text(waiters)}."
@@ -136,7 +136,9 @@ def _why_alone(proc: ProcessReport, task: TaskWait | None, name: str, forked: bo
     return reason
 
 
-def _waits_in(proc: ProcessReport, task: TaskWait | None, name: str, frame: Frame | None) -> str:
+def waits_in_words(
+    proc: ProcessReport, task: TaskWait | None, name: str, frame: Frame | None
+) -> str:
     """``Event.wait() at test_x.py:17``; for a process without a Python stack, what the kernel
     shows (``the system call read(fd 16: pipe:[5]) [anon_pipe_read]``) and why there is no
     stack: never an empty blank."""
@@ -169,7 +171,7 @@ def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]
                 name, frame = primitive(task_thread(proc, task) if task else main_thread(proc))
                 forked = fork_parent(proc, by_pid) is not None or is_worker(proc)
                 parts.append(
-                    f"{who(proc)} waits in {_waits_in(proc, task, name, frame)}, and no thread "
+                    f"{who(proc)} waits in {waits_in_words(proc, task, name, frame)}, and no thread "
                     f"or process of the test is left to end that wait: "
                     f"{_why_alone(proc, task, name, forked)}"
                 )
@@ -220,7 +222,7 @@ def hint_sleeper(procs: list[ProcessReport]) -> list[Hint]:
         via = next(e.via for e in task.waits_for if e.pid == sleepers[0].pid)
         hints.append(
             Hint(
-                f"{who(proc)} waits in {name or proc.stuck_at}{located(frame)} for "
+                f"{who(proc)} waits in {waits_in_words(proc, task, name, frame)} for "
                 + ", ".join(f"{who(s)}, which {doing(s)}" for s in sleepers)
                 + f" (through {via}): the wait ends only when the sleeper wakes up and acts. A long "
                 "sleep, or a loop that polls for something that never comes.",
