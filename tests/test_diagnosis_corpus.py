@@ -299,6 +299,21 @@ LABELS: dict[str, Label] = {
         "thread 'http-server' in serve_forever, for a client of 127.0.0.1:",
         role="pytest",
     ),
+    # an executor's idle workers (processes, threads) wait for work: not the story
+    "test_signals_idle_process_pool_beside_a_test_deadlocked_on_its_lock": _label(
+        "nobody",
+        "lock.acquire()",
+        "idle services that only wait for work",
+        "in wait_result_broken_or_wakeup",
+        role="pytest",
+    ),
+    "test_signals_idle_thread_pool_beside_a_test_deadlocked_on_its_lock": _label(
+        "nobody",
+        "lock.acquire()",
+        "idle services that only wait for work",
+        "'threadpoolexecutor-0_0' in _worker",
+        role="pytest",
+    ),
     # no stack (its descriptors closed, the dump handler's too): what the kernel shows, and why
     "test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever": _label(
         "nobody",

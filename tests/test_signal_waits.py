@@ -4,8 +4,9 @@ can end that wait" of a wait that a SIGTERM, the test's own alarm or ``terminate
 
 A real session of the scenarios of ``tests/corpus/corpus_signals.py``: a worker with a SIGTERM
 handler joined without ``terminate()``, a test under its own ``signal.alarm(30)`` guard, an idle
-HTTP server (a process, and a thread of the test's own process) beside a test deadlocked on its
-own lock, a setsid'd daemon child with its descriptors closed. No torch.
+HTTP server (a process, and a thread of the test's own process) and an executor's idle workers
+(processes, threads) beside a test deadlocked on its own lock, a setsid'd daemon child with its
+descriptors closed. No torch.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def test_waits_a_signal_would_end_are_told_so_and_an_idle_server_is_no_culprit(
     guarded.pytester.makepyfile(test_corpus_signals=CORPUS.read_text())
     reports = guarded.pytester.path / "reports"
     session = guarded.run(f"--torch-hang-report-dir={reports}", timeout=TIMEOUT_S, wait_s=240)
-    assert_outcomes(session.result, hang=5)
+    assert_outcomes(session.result, hang=7)
     docs = _reports(reports)
-    assert len(docs) == 5, sorted(docs)
+    assert len(docs) == 7, sorted(docs)
     for doc in docs.values():
         _one_story(doc)
 
@@ -85,6 +86,12 @@ def test_waits_a_signal_would_end_are_told_so_and_an_idle_server_is_no_culprit(
         "idle services that only wait for work (thread 'http-server' in serve_forever"
         in (thread["cause"])
     )
+
+    for kind in ("process", "thread"):
+        pool = docs[f"test_signals_idle_{kind}_pool_beside_a_test_deadlocked_on_its_lock"]
+        assert pool["culprits"] == [p["pid"] for p in pool["processes"] if p["role"] == "pytest"]
+        assert [h["rule"] for h in pool["hints"]] == ["nobody"], pool["hints"]
+        assert "idle services that only wait for work" in pool["cause"]
 
     daemon = docs["test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever"]
     assert "waits in the system call read(fd " in daemon["cause"]

@@ -221,6 +221,10 @@ _SERVICE_LOOPS = (
     ("/socketserver.py", ("serve_forever",)),
     ("concurrent/futures/process.py", ("_process_worker",)),
     ("concurrent/futures/thread.py", ("_worker",)),
+    # a ProcessPoolExecutor's manager thread waiting for a result, a Queue's feeder thread
+    # waiting for something to send: the parent's halves of idle workers
+    ("concurrent/futures/process.py", ("wait_result_broken_or_wakeup",)),
+    ("multiprocessing/queues.py", ("_feed",)),
 )
 
 #: Where a service loop waits: its selector, or the queue it takes its next task from.

@@ -1,6 +1,7 @@
 """Corpus: waits a signal or an alarm would still end, an idle server beside the hang, and a
 child without a stack (no torch in the children)."""
 
+import concurrent.futures as cf
 import http.server
 import multiprocessing as mp
 import os
@@ -65,6 +66,26 @@ def test_signals_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _square(x):
+    return x * x
+
+
+def test_signals_idle_process_pool_beside_a_test_deadlocked_on_its_lock():
+    with cf.ProcessPoolExecutor(2, mp_context=FORK) as pool:
+        assert list(pool.map(_square, [1, 2, 3])) == [1, 4, 9]  # its workers now wait for work
+        lock = threading.Lock()
+        with lock:
+            lock.acquire()
+
+
+def test_signals_idle_thread_pool_beside_a_test_deadlocked_on_its_lock():
+    with cf.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(_square, [1, 2, 3])) == [1, 4, 9]
+        lock = threading.Lock()
+        with lock:
+            lock.acquire()
 
 
 def _daemonise_and_read():

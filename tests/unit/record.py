@@ -109,6 +109,8 @@ CHOSEN = (
     "test_signals_test_under_its_own_alarm_hangs_on_a_lock",
     "test_signals_idle_http_server_beside_a_test_deadlocked_on_its_lock",
     "test_signals_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock",
+    "test_signals_idle_process_pool_beside_a_test_deadlocked_on_its_lock",
+    "test_signals_idle_thread_pool_beside_a_test_deadlocked_on_its_lock",
     "test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever",
     # a stall: no progress for the stall time (tests/test_stall.py)
     "test_freezes_in_its_third_epoch",

@@ -30,8 +30,8 @@ def _replayed(path: Path, replay: Replay) -> tuple[HangReport, str, list[int], s
     return report, replay.headline(report), culprits, engine.cause(found, processes, root.pid)
 
 
-def test_the_five_situations_are_recorded() -> None:
-    assert len(SIGNALS) == 5, [p.stem for p in SIGNALS]
+def test_the_seven_situations_are_recorded() -> None:
+    assert len(SIGNALS) == 7, [p.stem for p in SIGNALS]
 
 
 @pytest.mark.parametrize("path", SIGNALS, ids=[p.stem for p in SIGNALS])
@@ -112,6 +112,24 @@ def test_an_idle_http_server_thread_is_no_thread_that_would_release_the_lock(
     assert "idle services that only wait for work (thread 'http-server' in serve_forever" in cause
     assert "no process of the test is connecting" in cause
     assert headline.endswith("stuck in " + report.test_id.split("::")[-1])
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_an_executors_idle_workers_are_helpers_not_the_story(kind: str, replay: Replay) -> None:
+    from pytest_torchhang.report import groups
+
+    cause, headline, culprits, report = _story(
+        f"test_signals_idle_{kind}_pool_beside_a_test_deadlocked_on_its_lock", replay
+    )
+    (root,) = [p.pid for p in report.processes if p.role == "pytest"]
+    assert culprits == [root] and headline.endswith("stuck in " + report.test_id.split("::")[-1])
+    assert "waits in Lock.acquire() at test_corpus_signals.py:" in cause
+    assert "idle services that only wait for work" in cause
+    workers = [p for p in report.processes if "_process_worker" in p.role]
+    assert len(workers) == (2 if kind == "process" else 0)
+    assert all(groups.idle_service(w) for w in workers)
+    # no hint tells the workers' wait for a task as a pipe nobody writes, or as a deadlock
+    assert [h.rule for h in report.hints] == ["nobody"]
 
 
 def test_a_child_without_a_stack_is_told_by_what_the_kernel_shows(replay: Replay) -> None:

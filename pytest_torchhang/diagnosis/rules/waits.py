@@ -6,6 +6,7 @@ from __future__ import annotations
 import linecache
 import re
 
+from ...report.groups import idle_service
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ...report.waits import HOLDS_WRITE_END, LISTENING, NOBODY, OUTSIDE, SOCKET_PEER, Futex, Socket
 from ..frames import (
@@ -156,7 +157,9 @@ def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]
     knot = find_knot(procs)
     hints = []
     for group in components(knot):
-        listed = [by_pid[p] for p in group if not is_helper(by_pid[p])]
+        # services idle by design (an executor's workers waiting for a task) wait in the knot
+        # only because their client does: never one of the story's processes
+        listed = [by_pid[p] for p in group if not (is_helper(by_pid[p]) or idle_service(by_pid[p]))]
         pids = {p.pid for p in listed}
         if not listed or explained & {p for p in pids if not is_pytest(by_pid[p])}:
             continue
