@@ -311,7 +311,8 @@ LABELS: dict[str, Label] = {
         "nobody",
         "lock.acquire()",
         "idle services that only wait for work",
-        "'threadpoolexecutor-0_0' in _worker",
+        "thread 'threadpoolexecutor-",  # its number counts the session's executors
+        "in _worker",
         role="pytest",
     ),
     # no stack (its descriptors closed, the dump handler's too): what the kernel shows, and why
