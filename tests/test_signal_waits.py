@@ -96,7 +96,9 @@ def test_waits_a_signal_would_end_are_told_so_and_an_idle_server_is_no_culprit(
     daemon = docs["test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever"]
     assert "waits in the system call read(fd " in daemon["cause"]
     assert "no Python stack: the process closed or replaced its dump file" in daemon["cause"]
-    assert "a SIGTERM (Process.terminate()) would end it by its default action" in daemon["cause"]
+    assert (
+        "a SIGTERM (what terminate() sends) would end it by its default action" in daemon["cause"]
+    )
 
     # the guard's alarm was cancelled by the test's finally once the hang was raised: no later
     # test of the session was hit by it, and nothing is left running (the daemon included)

@@ -138,7 +138,7 @@ def test_a_child_without_a_stack_is_told_by_what_the_kernel_shows(replay: Replay
     )
     assert "waits in the system call read(fd " in cause and "[anon_pipe_read]" in cause
     assert "no Python stack: the process closed or replaced its dump file" in cause
-    assert "a SIGTERM (Process.terminate()) would end it by its default action" in cause
+    assert "a SIGTERM (what terminate() sends) would end it by its default action" in cause
 
 
 def test_the_masks_of_proc_status_are_read_by_name(tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def _sigterm(
     if kind.startswith("handler"):
         said = f"a SIGTERM would run {_handler_words(kind)}"
     elif kind == "default":
-        said = "a SIGTERM (Process.terminate()) would end it by its default action"
+        said = "a SIGTERM (what terminate() sends) would end it by its default action"
     else:
         return f"SIGTERM is {kind} there: terminate() would not end it (kill() would)"
     if joiner:
