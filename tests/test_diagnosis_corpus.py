@@ -283,6 +283,60 @@ LABELS: dict[str, Label] = {
     "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock": _label(
         "deadlock", "Process.join()", "fcntl.flock", role="multiprocessing child"
     ),
+    # waits a signal or an alarm would still end (corpus_signals.py): the hint says which, and
+    # what is missing, never "nothing can end that wait"
+    "test_signals_worker_ended_by_sigterm_joined_without_terminate": _label(
+        "nobody",
+        "event.wait()",
+        "a sigterm would run its python handler (a lambda in _serve_until_terminated)",
+        "nobody sends one",
+        "process.join()",
+        "no terminate()",
+        role="target=_serve_until_terminated",
+    ),
+    "test_signals_test_under_its_own_alarm_hangs_on_a_lock": _label(
+        "nobody",
+        "lock.acquire()",
+        "its own alarm (signal.alarm or setitimer) is due in",
+        "its python handler _expire()",
+        role="pytest",
+    ),
+    # an idle, healthy HTTP server beside the test's own deadlock: the test is the story
+    "test_signals_idle_http_server_beside_a_test_deadlocked_on_its_lock": _label(
+        "nobody", "lock.acquire()", role="pytest"
+    ),
+    "test_signals_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock": _label(
+        "nobody",
+        "lock.acquire()",
+        "idle services that only wait for work",
+        "thread 'http-server' in serve_forever, for a client of 127.0.0.1:",
+        role="pytest",
+    ),
+    # an executor's idle workers (processes, threads) wait for work: not the story
+    "test_signals_idle_process_pool_beside_a_test_deadlocked_on_its_lock": _label(
+        "nobody",
+        "lock.acquire()",
+        "idle services that only wait for work",
+        "in wait_result_broken_or_wakeup",
+        role="pytest",
+    ),
+    "test_signals_idle_thread_pool_beside_a_test_deadlocked_on_its_lock": _label(
+        "nobody",
+        "lock.acquire()",
+        "idle services that only wait for work",
+        "thread 'threadpoolexecutor-",  # its number counts the session's executors
+        "in _worker",
+        role="pytest",
+    ),
+    # no stack (its descriptors closed, the dump handler's too): what the kernel shows, and why
+    "test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever": _label(
+        "nobody",
+        "the system call read(",
+        "no python stack: the process closed or replaced its dump file",
+        "the only write end of the pipe it reads is its own",
+        "by its default action",
+        role="child process",
+    ),
     # distributed: gloo ranks
     "test_distributed_ddp_uneven_inputs": _label(
         "collectives", "rank 1/2 in barrier", "Flight recorder", "from DDP's forward", role="rank"
@@ -372,7 +426,14 @@ def _scenarios() -> dict[str, str]:
 #: starting (seen: a worker using CPU at the capture, told "busy"): 3 s leaves the margin;
 #: gloo ranks first meet through their store and build DDP models.
 #: The start-up scenarios set their own (a spawned DataLoader worker imports torch first).
-DEADLINE_S = {"loading": 3.0, "sharing": 3.0, "distributed": 3.0, "waits": 3.0, "startup": 3.0}
+DEADLINE_S = {
+    "loading": 3.0,
+    "sharing": 3.0,
+    "distributed": 3.0,
+    "waits": 3.0,
+    "startup": 3.0,
+    "signals": 3.0,
+}
 
 #: Scenarios run per inner session: each hangs until its deadline, so a chunk takes about
 #: half a minute and pytest-xdist spreads the chunks over its workers, while each session's

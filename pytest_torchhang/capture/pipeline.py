@@ -18,7 +18,7 @@ from ..diagnosis import engine
 from ..diagnosis.roles import BUSY_CPU_S
 from ..inject.hook import STDERR_KEEP_BYTES, THREAD_PREFIX, notes_path, role_path, stderr_path
 from ..report.model import HangReport, ProcessReport, Role, StderrTail, ThreadStack
-from . import aio, attach, collectives, procfs, waitgraph
+from . import aio, attach, collectives, procfs, signals, waitgraph
 from .kill import KillResult, kill_tree, remove_leftovers
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
@@ -198,6 +198,9 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     _second_look(reports)
     left = target.capture_budget_s - (clock.monotonic() - t0)
     aio_notes = aio.add_tasks(reports, target.dump_dir, seen.now, min(aio.TASKS_WAIT_S, left))
+    signals.add_signals(
+        reports, reader, target.dump_dir, seen.now, min(signals.SIGNALS_WAIT_S, left)
+    )
     env = {p.pid: _environ(reader, p.pid) for p in procs if p.pid != target.root_pid}
     notes = _add_waits(target, reports, seen.evidence, t0)
     _label(target, reports, env)
@@ -373,12 +376,13 @@ def _explain(
             elapsed,
             reports,
             target.root_pid,
+            hints,
         ),
         hints=hints,
         processes=reports,
         notes=notes,
         cause=engine.cause(hints, reports, target.root_pid),
-        culprits=engine.culprits(reports, target.root_pid),
+        culprits=engine.culprits(reports, target.root_pid, hints),
     )
 
 

@@ -11,7 +11,9 @@ from ..report.model import Hint, ProcessReport
 from .frames import waits_in_user_code
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
 from .rules.aio import hint_asyncio
+from .rules.beside import hint_beside_idle_services
 from .rules.distributed import hint_collectives, hint_rank_gone
+from .rules.enders import add_signal_enders
 from .rules.loading import (
     hint_cuda_before_fork,
     hint_openmp_after_fork,
@@ -46,15 +48,26 @@ __all__ = ["HELPER_ROLES", "cause", "culprits", "headline", "hints", "label_role
 Rule = Callable[[list[ProcessReport]], list[Hint]]
 
 
-def headline(test_id: str, elapsed: float, processes: list[ProcessReport], root_pid: int) -> str:
+def headline(
+    test_id: str,
+    elapsed: float,
+    processes: list[ProcessReport],
+    root_pid: int,
+    found: list[Hint] | None = None,
+) -> str:
     """``HANG after 8.0s in test_x: 3 processes, 2 stuck in DataLoader worker __getitem__``.
 
     When the processes of one role mostly agree and some differ, the headline names the odd one
     out: ``5 processes, DataLoader worker 1/4 (pid 7) stuck in __getitem__ (3 other DataLoader
-    workers wait in _worker_loop -> queues.get -> select)``.
+    workers wait in _worker_loop -> queues.get -> select)``. Given the hints (``found``), it
+    names what the first one names when the stacks alone would name others (one story: the
+    headline, the culprits and the cause agree).
     """
     live = len([p for p in processes if not p.exit_status])
     head = f"HANG after {elapsed:.1f}s in {test_id}: {live} process{'es' if live != 1 else ''}"
+    told = _told(found, processes, root_pid)
+    if told is not None:
+        return head + _told_words(told, processes, root_pid)
     others = _stuck_children(processes, root_pid)
     if not others:
         root = next((p for p in processes if p.pid == root_pid), None)
@@ -77,13 +90,45 @@ def headline(test_id: str, elapsed: float, processes: list[ProcessReport], root_
     return f"{head}, {count} stuck in {kind} {where}"
 
 
+#: Hints that state what a process did (exited, used CPU) rather than name a cause: the
+#: headline follows the first hint that names one.
+_FACTS = ("none", "dead", "busy")
+
+
+def _told(
+    found: list[Hint] | None, processes: list[ProcessReport], root_pid: int
+) -> list[ProcessReport] | None:
+    """The processes the first hint names, when the stacks alone would name none of them
+    (None: they agree, or there is no hint)."""
+    first = next((h for h in found or [] if h.rule not in _FACTS and h.pids), None)
+    if first is None or set(_by_stacks(processes, root_pid)) & set(first.pids):
+        return None
+    by_pid = {p.pid: p for p in processes}
+    told = [by_pid[pid] for pid in dict.fromkeys(first.pids) if pid in by_pid]
+    return told or None
+
+
+def _told_words(told: list[ProcessReport], processes: list[ProcessReport], root_pid: int) -> str:
+    """``, pytest (pid 7) stuck in test_x``; the root alone keeps the root's form."""
+    if [p.pid for p in told] == [root_pid]:
+        return f", stuck in {told[0].stuck_at}" if told[0].stuck_at else ""
+    shown = [p for p in told if p.pid != root_pid] or told
+    where = shown[0].stuck_at or groups.where(shown[0])
+    names = ", ".join(f"{p.role} (pid {p.pid})" for p in shown)
+    return f", {names} stuck in {where}" if where else f", {names} stuck"
+
+
 def _stuck_children(processes: list[ProcessReport], root_pid: int) -> list[ProcessReport]:
     """The test's processes but pytest that are stuck somewhere: helpers wait by design, and
     name the hang only when nothing else does."""
     return [
         p
         for p in processes
-        if p.pid != root_pid and p.stuck_at and not is_helper(p) and not p.exit_status
+        if p.pid != root_pid
+        and p.stuck_at
+        and not is_helper(p)
+        and not p.exit_status
+        and not groups.idle_service(p)
     ]
 
 
@@ -110,9 +155,19 @@ def odd_one_out(
     return outlier, crowd
 
 
-def culprits(processes: list[ProcessReport], root_pid: int) -> list[int]:
+def culprits(
+    processes: list[ProcessReport], root_pid: int, found: list[Hint] | None = None
+) -> list[int]:
     """The pids the headline names: the odd one out, else the largest group of stuck
-    processes, else the pytest process."""
+    processes, else the pytest process; the first hint's when it names none of those."""
+    told = _told(found, processes, root_pid)
+    if told is not None:
+        return [p.pid for p in told]
+    return _by_stacks(processes, root_pid)
+
+
+def _by_stacks(processes: list[ProcessReport], root_pid: int) -> list[int]:
+    """The pids the stacks alone name (see :func:`culprits`)."""
     odd = odd_one_out(processes, root_pid)
     if odd is not None:
         return odd[0].pids
@@ -127,7 +182,7 @@ def culprits(processes: list[ProcessReport], root_pid: int) -> list[int]:
 def cause(found: list[Hint], processes: list[ProcessReport], root_pid: int) -> str:
     """The headline's hint: the first hint about a process the headline names, else the first
     hint; empty when no known pattern matched (a guess would be worse than nothing)."""
-    named = set(culprits(processes, root_pid))
+    named = set(culprits(processes, root_pid, found))
     known = [h for h in found if h.rule != "none"]
     about = next((h for h in known if named & set(h.pids)), None)
     chosen = about or (known[0] if known else None)
@@ -158,6 +213,7 @@ RULES: tuple[Rule, ...] = (
     hint_pipe,
     hint_openmp_after_fork,
     hint_cuda_before_fork,
+    hint_beside_idle_services,
     hint_sleeper,
     hint_outside,
 )
@@ -191,6 +247,7 @@ def hints(processes: list[ProcessReport]) -> list[Hint]:
             found.append(hint)
             explained.update(hint.pids)
     found += hint_busy(processes, explained - pytest)
+    add_signal_enders(found, processes)
     if not found:
         found.append(
             Hint(

@@ -71,6 +71,11 @@ def stderr_path(dump_dir: str, pid: int) -> str:
     return os.path.join(dump_dir, f"{pid}.stderr")
 
 
+def signals_path(dump_dir: str, pid: int) -> str:
+    """The JSON file a process writes its own signal facts to when asked for its stacks."""
+    return os.path.join(dump_dir, f"{pid}.signals.json")
+
+
 def notes_path(dump_dir: str, pid: int) -> str:
     """The file where process ``pid`` appends what the plugin's own code failed to do there."""
     return os.path.join(dump_dir, f"{pid}.notes")
@@ -754,6 +759,41 @@ def _user_handlers() -> int:
     return count
 
 
+def signal_snapshot() -> dict[str, Any]:
+    """What only this process can tell of its signals: its pending ``ITIMER_REAL`` alarm
+    (``signal.alarm``, ``setitimer``) and its Python handlers by signal name (Ctrl-C's and the
+    plugin's own left out), for a report to say what a signal would still end."""
+    handlers: dict[str, str] = {}
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+            name = signal.Signals(signum).name
+        except (ValueError, OSError):
+            continue
+        handler = getattr(handler, "func", handler)
+        qualname = str(getattr(handler, "__qualname__", "") or type(handler).__name__)
+        ours = str(getattr(handler, "__module__", "")).startswith("pytest_torchhang")
+        if callable(handler) and not ours and qualname not in _NOT_WAKERS:
+            handlers[name] = qualname
+    return {"alarm_s": signal.getitimer(signal.ITIMER_REAL)[0], "handlers": handlers}
+
+
+def _write_signals() -> None:
+    """Write :func:`signal_snapshot` to this process's ``PID.signals.json``."""
+    import json
+
+    dump_dir = _Registration.dump_dir
+    if dump_dir is None:
+        return
+    path = signals_path(dump_dir, os.getpid())
+    try:  # without them the report says only what /proc shows: no note needed
+        with open(path + ".tmp", "w") as out:
+            json.dump({"pid": os.getpid(), **signal_snapshot()}, out)
+        os.replace(path + ".tmp", path)
+    except (OSError, ValueError):
+        pass
+
+
 def _task_row(task: Any, names: dict[int, str], timers: set[int]) -> dict[str, Any]:
     """One task: its frames, what it awaits, whether a timer wakes it, what its frames hold."""
     coro = task.get_coro()
@@ -857,6 +897,7 @@ def _write_tasks() -> None:
 def _on_dump_signal(signum: int, frame: object) -> None:
     """The Python half of the dump handler (faulthandler chains to it): the asyncio tasks."""
     try:
+        _write_signals()
         _write_tasks()
     except Exception as exc:  # never into the user's code
         child_note(

@@ -13,7 +13,8 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from .model import Collective, Frame, ProcessReport, ThreadStack
+from .model import Collective, Frame, ProcessReport, TaskWait, ThreadStack
+from .waits import LISTENING
 
 #: Roles of processes that wait by design (helpers) or that the test did not start (context):
 #: they come last, whatever their stacks.
@@ -307,8 +308,71 @@ def plural(role: str) -> str:
     return f"{head} {many}" if head else many
 
 
+#: Where a service loop waits for its next client or task, by (file suffix, function): a
+#: socketserver's ``serve_forever``, an idle ``ProcessPoolExecutor`` worker.
+_SERVICE_LOOPS = (
+    ("/socketserver.py", ("serve_forever",)),
+    ("concurrent/futures/process.py", ("_process_worker",)),
+    ("concurrent/futures/thread.py", ("_worker",)),
+    # a ProcessPoolExecutor's manager thread waiting for a result, a Queue's feeder thread
+    # waiting for something to send: the parent's halves of idle workers
+    ("concurrent/futures/process.py", ("wait_result_broken_or_wakeup",)),
+    ("multiprocessing/queues.py", ("_feed",)),
+)
+
+#: Where a service loop waits: its selector, or the queue it takes its next task from.
+_WAITING_IN = (
+    "/selectors.py",
+    "/socketserver.py",
+    "/threading.py",
+    "/queue.py",
+    "multiprocessing/queues.py",
+    "multiprocessing/connection.py",
+    "multiprocessing/synchronize.py",
+)
+
+
+def idle_loop(frames: list[Frame]) -> bool:
+    """The stack (innermost first) waits in a service loop's own wait for its next request or
+    task, not in a request's handler."""
+    loop = next((i for i, f in enumerate(frames) if _in(f, _SERVICE_LOOPS)), None)
+    return loop is not None and all(
+        f.filename.replace(os.sep, "/").endswith(_WAITING_IN) for f in frames[:loop]
+    )
+
+
+def idle_service_thread(proc: ProcessReport, task: TaskWait) -> bool:
+    """A thread that only waits for work: in a service loop's wait (its Python stack), or for a
+    client to connect to a listening socket (the kernel's evidence)."""
+    thread = next((t for t in proc.threads if task.python_thread == t.ident), None)
+    if thread is not None and task.python_thread and idle_loop(thread.frames):
+        return True
+    return bool(task.waits_for) and all(e.kind == LISTENING for e in task.waits_for)
+
+
+def idle_service(proc: ProcessReport) -> bool:
+    """A healthy service waiting for work: its main thread waits in a service loop for the
+    next request (a socketserver, an executor's worker, an asyncio loop with no task), or
+    every thread of its waits for a client to connect. It waits by design: a helper, never
+    the odd one out or the culprit."""
+    if proc.busy or proc.exit_status or proc.state.startswith("stopped"):
+        return False
+    main = main_thread(proc)
+    if main is not None:
+        loops = [loop for loop in proc.event_loops if loop.thread == main.ident]
+        if loops and all(not loop.tasks and not loop.tasks_left_out for loop in loops):
+            return True
+        if any(_in(f, _SERVICE_LOOPS) for f in main.frames):
+            return idle_loop(main.frames)
+    return bool(proc.tasks) and all(idle_service_thread(proc, t) for t in proc.tasks)
+
+
 def _is_background(proc: ProcessReport) -> bool:
-    return any(word in proc.role for word in HELPERS) or proc.role_data().kind.startswith(HELPERS)
+    return (
+        any(word in proc.role for word in HELPERS)
+        or proc.role_data().kind.startswith(HELPERS)
+        or idle_service(proc)
+    )
 
 
 def group_processes(

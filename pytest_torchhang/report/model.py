@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import clock
-from . import waits
+from . import signals, waits
+from .signals import SignalFacts
 from .waits import WaitObject
 
 #: Version of the JSON document written per hang; bump on incompatible changes.
@@ -297,6 +298,7 @@ class ProcessReport:
     libcuda: bool = False  # libcuda is mapped: the process has initialised CUDA
     stderr_tail: list[str] = field(default_factory=list)  # its last lines on sys.stderr, bounded
     event_loops: list[EventLoop] = field(default_factory=list)  # running asyncio loops, tasks
+    signals: SignalFacts | None = None  # what a signal would do to it (None: not read)
 
     def role_data(self) -> Role:
         """The role as data: ``role_facts``, or, in a report built without them, ``role`` read."""
@@ -443,6 +445,8 @@ class HangReport:
                 del proc["stderr_tail"]
             if not proc["event_loops"]:
                 del proc["event_loops"]
+            if proc["signals"] is None:
+                del proc["signals"]
             for task, kept in zip(proc["tasks"], report.tasks, strict=True):
                 task["wait"] = waits.to_json(kept.wait)  # with its tag, which asdict drops
         doc["schema"] = "pytest-torchhang/hang-report"
@@ -482,6 +486,7 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
     fields["tasks"] = [_task_from_json(t) for t in doc.get("tasks", [])]
     fields["collectives"] = [Collective(**c) for c in doc.get("collectives", [])]
     fields["event_loops"] = [_loop_from_json(loop) for loop in doc.get("event_loops", [])]
+    fields["signals"] = signals.from_json(doc.get("signals"))
     facts = doc.get("role_facts")
     if facts:
         fields["role_facts"] = Role(**facts)

@@ -166,7 +166,7 @@ MAPS = "maps"  # it maps the shared memory the futex lies in
 THREAD = "thread"  # another thread of this process may release it
 LOCK_HOLDER = "lock_holder"  # it holds the file lock
 CHILD = "child"  # the parent waits for this child's exit
-NOBODY = "nobody"  # nothing can end the wait
+NOBODY = "nobody"  # no process of the tree can end the wait (a signal still may)
 OUTSIDE = "outside"  # something outside the tree holds the other end
 FILE = "file"  # a regular file: no process releases it
 

@@ -74,8 +74,13 @@ class Replay:
 
         (root,) = [p for p in report.processes if p.role_facts and p.role_facts.kind == "pytest"]
         phase = f" (during {report.phase})" if report.phase != "call" else ""
+        processes = self.diagnosed(report)
         return engine.headline(
-            report.test_id + phase, report.elapsed_s, self.diagnosed(report), root.pid
+            report.test_id + phase,
+            report.elapsed_s,
+            processes,
+            root.pid,
+            engine.hints(processes),
         )
 
 

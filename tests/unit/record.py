@@ -109,6 +109,14 @@ CHOSEN = (
     "test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock",
     "test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock",
     "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock",
+    # waits a signal would still end, an idle server beside the hang, a child with no stack
+    "test_signals_worker_ended_by_sigterm_joined_without_terminate",
+    "test_signals_test_under_its_own_alarm_hangs_on_a_lock",
+    "test_signals_idle_http_server_beside_a_test_deadlocked_on_its_lock",
+    "test_signals_idle_http_server_thread_beside_a_test_deadlocked_on_its_lock",
+    "test_signals_idle_process_pool_beside_a_test_deadlocked_on_its_lock",
+    "test_signals_idle_thread_pool_beside_a_test_deadlocked_on_its_lock",
+    "test_signals_setsid_daemon_child_with_closed_descriptors_reads_forever",
     # a stall: no progress for the stall time (tests/test_stall.py)
     "test_freezes_in_its_third_epoch",
     # gloo ranks

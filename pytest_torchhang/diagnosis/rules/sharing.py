@@ -8,6 +8,7 @@ import linecache
 import os
 import re
 
+from ...report.groups import idle_service
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ...report.waits import (
     CHILD,
@@ -225,6 +226,8 @@ def hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
             continue
         if role_of(proc) == POOL_WORKER and has_frame(proc, "multiprocessing/pool.py", "worker"):
             continue  # waiting for a task is what an idle Pool worker does
+        if idle_service(proc):
+            continue  # an executor's worker, a server: waiting for work by design
         for task, frame in _reads(proc):
             writers = [by_pid.get(e.pid) for e in task.waits_for]
             if any(

@@ -1,4 +1,4 @@
-"""Rules read from the wait-for graph: stopped, dead, deadlock, nothing can release, sleeper,
+"""Rules read from the wait-for graph: stopped, dead, deadlock, nobody left to release, sleeper,
 outside peer, a poll loop whose producer failed, a server that never answers, busy."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import linecache
 import re
 
+from ...report.groups import idle_service
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ...report.waits import HOLDS_WRITE_END, LISTENING, NOBODY, OUTSIDE, SOCKET_PEER, Futex, Socket
 from ..frames import (
@@ -49,8 +50,8 @@ def hint_stopped(procs: list[ProcessReport]) -> list[Hint]:
         waiters = edges_to(procs, proc.pid)
         text = (
             f"{who(proc)} is stopped (SIGSTOP or SIGTSTP, or a debugger holds it){where}: it "
-            "does nothing until it gets SIGCONT, and whatever waits for it waits forever. Look for "
-            "what stopped it (a kill -STOP, a job-control signal, a tracer)."
+            "does nothing until it gets SIGCONT, and whatever waits for it waits until then. "
+            "Look for what stopped it (a kill -STOP, a job-control signal, a tracer)."
         )
         if waiters:
             text += f" Waiting for it: {waiters_text(waiters)}."
@@ -113,27 +114,52 @@ def _why_alone(proc: ProcessReport, task: TaskWait | None, name: str, forked: bo
     edges = task.waits_for if task else []
     private = task is not None and isinstance(task.wait, Futex) and task.wait.private
     if private and any(e.kind == NOBODY for e in edges):
-        reason = f"it is the only thread of its process{' (threads are not copied by fork)' if forked else ''}"
+        reason = "it is the only thread of its process"
+        if forked and name != "Future.result()":
+            # what it waits for may be its own (made after the fork): say the condition
+            reason += (
+                "; if what it waits for was made before the fork, the thread that was to end "
+                "the wait stayed in the parent (threads are not copied by fork)"
+            )
     elif any(e.kind == HOLDS_WRITE_END and e.pid == proc.pid for e in edges):
         reason = "the only write end of the pipe it reads is its own"
     else:
         reason = "every other thread of its process waits too"
     if name == "Future.result()":
-        reason += "; a Future is completed by a pool thread, and the pool's threads were not copied by fork, so nothing will run the task"
+        reason += (
+            "; a Future is completed by a pool thread, and the pool's threads were not copied "
+            "by fork, so no thread is left to run the task"
+        )
     elif name.startswith(("Event.", "Condition.", "Barrier.")):
-        reason += f"; no live thread can set the {name.split('.')[0]}"
+        reason += f"; no live thread of it is left to set the {name.split('.')[0]}"
     elif "acquire" in name:
-        reason += "; nobody can release the lock"
+        reason += "; no other thread of it is left to release the lock"
     return reason
 
 
+def waits_in_words(
+    proc: ProcessReport, task: TaskWait | None, name: str, frame: Frame | None
+) -> str:
+    """``Event.wait() at test_x.py:17``; for a process without a Python stack, what the kernel
+    shows (``the system call read(fd 16: pipe:[5]) [anon_pipe_read]``) and why there is no
+    stack: never an empty blank."""
+    if name or proc.stuck_at:
+        return f"{name or proc.stuck_at}{located(frame)}"
+    call = f"the system call {task.summary()}" if task and task.call else "an unknown place"
+    why = proc.dump_status.removeprefix("no stack: ") if proc.dump_status != "ok" else ""
+    return f"{call} (no Python stack{': ' + why if why else ''}; command line: {proc.cmdline})"
+
+
 def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]:
-    """Processes that wait only for each other (a deadlock), or for a wait nothing can end."""
+    """Processes that wait only for each other (a deadlock), or for a wait that no thread or
+    process of the test is left to end (a signal may still: ``enders`` says)."""
     by_pid = {p.pid: p for p in procs}
     knot = find_knot(procs)
     hints = []
     for group in components(knot):
-        listed = [by_pid[p] for p in group if not is_helper(by_pid[p])]
+        # services idle by design (an executor's workers waiting for a task) wait in the knot
+        # only because their client does: never one of the story's processes
+        listed = [by_pid[p] for p in group if not (is_helper(by_pid[p]) or idle_service(by_pid[p]))]
         pids = {p.pid for p in listed}
         if not listed or explained & {p for p in pids if not is_pytest(by_pid[p])}:
             continue
@@ -148,8 +174,9 @@ def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]
                 name, frame = primitive(task_thread(proc, task) if task else main_thread(proc))
                 forked = fork_parent(proc, by_pid) is not None or is_worker(proc)
                 parts.append(
-                    f"{who(proc)} waits in {name or proc.stuck_at}{located(frame)}, and nothing can "
-                    f"end that wait: {_why_alone(proc, task, name, forked)}"
+                    f"{who(proc)} waits in {waits_in_words(proc, task, name, frame)}, and no thread "
+                    f"or process of the test is left to end that wait: "
+                    f"{_why_alone(proc, task, name, forked)}"
                 )
             others = [p for p in listed if p not in alone]
             text = ". ".join(parts) + "."
@@ -198,7 +225,7 @@ def hint_sleeper(procs: list[ProcessReport]) -> list[Hint]:
         via = next(e.via for e in task.waits_for if e.pid == sleepers[0].pid)
         hints.append(
             Hint(
-                f"{who(proc)} waits in {name or proc.stuck_at}{located(frame)} for "
+                f"{who(proc)} waits in {waits_in_words(proc, task, name, frame)} for "
                 + ", ".join(f"{who(s)}, which {doing(s)}" for s in sleepers)
                 + f" (through {via}): the wait ends only when the sleeper wakes up and acts. A long "
                 "sleep, or a loop that polls for something that never comes.",
