@@ -71,7 +71,7 @@ def headline(
     others = _stuck_children(processes, root_pid)
     if not others:
         root = next((p for p in processes if p.pid == root_pid), None)
-        return head + (f", stuck in {root.stuck_at}" if root and root.stuck_at else "")
+        return head + (f", stuck {_in(root.stuck_at)}" if root and root.stuck_at else "")
     odd = odd_one_out(processes, root_pid)
     if odd is not None:
         outlier, crowd = odd
@@ -81,13 +81,18 @@ def headline(
             where += f", in {groups.collective_text(pending)}"
         many = len(crowd.processes)
         return (
-            f"{head}, {outlier.who()} stuck in {where} ({many} other "
+            f"{head}, {outlier.who()} stuck {_in(where)} ({many} other "
             f"{groups.plural(crowd.role) if many > 1 else crowd.role} "
             f"wait{'s' if many == 1 else ''} in {crowd.where})"
         )
     counted = Counter((role_of(p).general(), p.stuck_at) for p in others)
     (kind, where), count = counted.most_common(1)[0]
     return f"{head}, {count} stuck in {kind} {where}"
+
+
+def _in(where: str) -> str:
+    """``in __getitem__``, but ``while spawn re-imports test_x`` as it is (issue 32)."""
+    return where if where.startswith("while ") else f"in {where}"
 
 
 #: Hints that state what a process did (exited, used CPU) rather than name a cause: the
@@ -111,11 +116,11 @@ def _told(
 def _told_words(told: list[ProcessReport], processes: list[ProcessReport], root_pid: int) -> str:
     """``, pytest (pid 7) stuck in test_x``; the root alone keeps the root's form."""
     if [p.pid for p in told] == [root_pid]:
-        return f", stuck in {told[0].stuck_at}" if told[0].stuck_at else ""
+        return f", stuck {_in(told[0].stuck_at)}" if told[0].stuck_at else ""
     shown = [p for p in told if p.pid != root_pid] or told
     where = shown[0].stuck_at or groups.where(shown[0])
     names = ", ".join(f"{p.role} (pid {p.pid})" for p in shown)
-    return f", {names} stuck in {where}" if where else f", {names} stuck"
+    return f", {names} stuck {_in(where)}" if where else f", {names} stuck"
 
 
 def _stuck_children(processes: list[ProcessReport], root_pid: int) -> list[ProcessReport]:
