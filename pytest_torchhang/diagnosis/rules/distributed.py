@@ -425,6 +425,7 @@ def hint_store_keys(procs: list[ProcessReport]) -> list[Hint]:
         by_key.setdefault((tuple(wait.keys), wait.where()), []).append(proc)
     out = []
     for (_keys, _where), group in by_key.items():
+        group.sort(key=lambda p: (role_of(p).rank is None, role_of(p).rank or 0, p.pid))
         wait = _main_store_wait(group[0])
         assert wait is not None
         out.append(_store_hint(procs, group, wait, key_of))
