@@ -114,6 +114,10 @@ CHOSEN = (
     "test_distributed_torchrun_ranks_diverge",
     "test_distributed_slow_rank_computes",
     "test_distributed_send_and_recv_never_match",
+    # ranks started as MultiProcessTestCase does: known by their process group
+    "test_distributed_plain_process_ranks_one_skips_an_all_reduce",
+    "test_distributed_plain_process_ranks_in_different_collectives",
+    "test_distributed_plain_process_ranks_wait_for_a_store_key_nobody_sets",
 )
 
 

@@ -395,14 +395,14 @@ def _main_store_wait(proc: ProcessReport) -> StoreWait | None:
     return proc.store_waits[0] if proc.store_waits else None
 
 
-def _where_rank(proc: ProcessReport, key_of: dict[int, tuple[str, ...]]) -> str:
+def _where_rank(proc: ProcessReport, keys: list[str]) -> str:
     """``rank 0/2 is at collective #2 barrier``: where another rank is, in one phrase."""
     who = f"rank {rank_no(proc)}" if is_rank(proc) else f"pid {proc.pid}"
     if proc.exit_status:
         return f"{who} {proc.exit_status}"
     wait = _main_store_wait(proc)
     if wait is not None:
-        same = key_of.get(proc.pid) == tuple(wait.keys)
+        same = wait.keys == keys
         return f"{who} waits in {wait.call()}" + (" too" if same else "")
     pending = pending_collective(proc)
     if pending is not None:
@@ -417,7 +417,6 @@ def hint_store_keys(procs: list[ProcessReport]) -> list[Hint]:
     waiting = [p for p in procs if not p.exit_status and _main_store_wait(p) is not None]
     if not waiting:
         return []
-    key_of = {p.pid: tuple(w.keys) for p in waiting if (w := _main_store_wait(p)) is not None}
     by_key: dict[tuple[tuple[str, ...], str], list[ProcessReport]] = {}
     for proc in waiting:
         wait = _main_store_wait(proc)
@@ -428,7 +427,7 @@ def hint_store_keys(procs: list[ProcessReport]) -> list[Hint]:
         group.sort(key=lambda p: (role_of(p).rank is None, role_of(p).rank or 0, p.pid))
         wait = _main_store_wait(group[0])
         assert wait is not None
-        out.append(_store_hint(procs, group, wait, key_of))
+        out.append(_store_hint(procs, group, wait))
     return out
 
 
@@ -436,7 +435,6 @@ def _store_hint(
     procs: list[ProcessReport],
     group: list[ProcessReport],
     wait: StoreWait,
-    key_of: dict[int, tuple[str, ...]],
 ) -> Hint:
     names = " and ".join(f"rank {rank_no(p)}" if is_rank(p) else f"pid {p.pid}" for p in group)
     verb = "wait" if len(group) > 1 else "waits"
@@ -474,7 +472,7 @@ def _store_hint(
         )
     others = [p for p in procs if is_rank(p) and p not in group]
     if others:
-        text += " Meanwhile " + "; ".join(_where_rank(p, key_of) for p in others) + "."
+        text += " Meanwhile " + "; ".join(_where_rank(p, wait.keys) for p in others) + "."
     based += [
         f"rank {rank_no(p)} (pid {p.pid}) flight recorder: "
         + ", ".join(
