@@ -320,6 +320,15 @@ LABELS: dict[str, Label] = {
         "is in #2 broadcast",
         role="rank 0/2 (gloo)",
     ),
+    # the workers of two ranks say whose they are; the rank in no collective waits for its own
+    "test_distributed_plain_process_rank_waits_for_its_dataloader_worker": _label(
+        "collectives sleeper",
+        "wait in all_reduce for a rank that is not in a collective",
+        "waits in DataLoader's _try_get_data",
+        "for rank 1's DataLoader worker 0/1 (dataset _Shards)",
+        "which sleeps at",
+        role="rank 1/2 (gloo)",
+    ),
     "test_distributed_plain_process_ranks_wait_for_a_store_key_nobody_sets": Label(
         ("store_key",),
         (

@@ -174,7 +174,9 @@ def test_multiprocess_testcase_ranks_are_named_by_their_process_group(
     )
     assert "inject/ranks.py" not in text  # the wrapper that records the key is not shown
     # the branches of one `if` are a mismatch, not a skip
-    assert "went past" not in session.report_of("TestForkedRanks.test_ranks_in_different_collectives")
+    assert "went past" not in session.report_of(
+        "TestForkedRanks.test_ranks_in_different_collectives"
+    )
     docs = _docs(reports)
     for name, rule in [
         ("test_a_rank_skips_an_all_reduce", "collectives"),

@@ -246,3 +246,26 @@ def _waits_for_a_key(rank, file_name):
 
 def test_distributed_plain_process_ranks_wait_for_a_store_key_nobody_sets(tmp_path):
     _as_multiprocess_testcase(_waits_for_a_key, tmp_path)
+
+
+class _Shards(torch.utils.data.Dataset):
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        if self.rank == 1:
+            time.sleep(1000)  # rank 1's shard is on a mount that stopped answering
+        return torch.ones(2)
+
+
+def _trains_on_shards(rank, file_name):
+    _init_pg(rank, file_name)
+    for batch in torch.utils.data.DataLoader(_Shards(rank), num_workers=1):
+        dist.all_reduce(batch)
+
+
+def test_distributed_plain_process_rank_waits_for_its_dataloader_worker(tmp_path):
+    _as_multiprocess_testcase(_trains_on_shards, tmp_path)

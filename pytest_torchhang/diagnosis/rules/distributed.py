@@ -314,7 +314,7 @@ def _missing_rank(
     for proc in ranks:
         if where[rank_no(proc)]:
             continue
-        missing.append(f"rank {rank_no(proc)} at {proc.stuck_at}")
+        missing.append(f"rank {rank_no(proc)} at {proc.stuck_at}{_waits_on_helper(proc, by_pid)}")
         task = main_task(proc)
         if task is None:
             continue
@@ -334,6 +334,23 @@ def _missing_rank(
         f"in a collective ({', '.join(missing)}): that rank skipped the call or is stuck before it."
         + (f" {'; '.join(cycles)}." if cycles else "")
     )
+
+
+def _waits_on_helper(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> str:
+    """``: waits in DataLoader's _try_get_data at x.py:9, for rank 1's DataLoader worker 0/1
+    (pid 7), which sleeps at x.py:3``: where a rank that is in no collective waits, when the
+    wait-for graph says it waits for a child of its own (its DataLoader worker, a helper)."""
+    # the kernel's main thread (its tid is the pid), whatever Python thread it was matched to
+    task = next((t for t in proc.tasks if t.tid == proc.pid), None)
+    if task is None:
+        return ""
+    children = [
+        by_pid[e.pid] for e in task.waits_for if e.pid in by_pid and by_pid[e.pid].ppid == proc.pid
+    ]
+    if not children:
+        return ""
+    child = children[0]
+    return f": {doing(proc)}, for {child.role} (pid {child.pid}), which {doing(child)}"
 
 
 def hint_rank_gone(procs: list[ProcessReport]) -> list[Hint]:
