@@ -269,3 +269,17 @@ def _trains_on_shards(rank, file_name):
 
 def test_distributed_plain_process_rank_waits_for_its_dataloader_worker(tmp_path):
     _as_multiprocess_testcase(_trains_on_shards, tmp_path)
+
+
+def _sets_late(rank, file_name):
+    store = _init_pg(rank, file_name)
+    if rank == 0:
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # a long preparation: it will set the key
+            torch.ones(64, 64).sum()
+        store.set("prepared", "1")
+    store.get("prepared")
+
+
+def test_distributed_plain_process_rank_waits_for_a_key_a_computing_rank_sets_later(tmp_path):
+    _as_multiprocess_testcase(_sets_late, tmp_path)

@@ -119,6 +119,7 @@ CHOSEN = (
     "test_distributed_plain_process_ranks_in_different_collectives",
     "test_distributed_plain_process_ranks_wait_for_a_store_key_nobody_sets",
     "test_distributed_plain_process_rank_waits_for_its_dataloader_worker",
+    "test_distributed_plain_process_rank_waits_for_a_key_a_computing_rank_sets_later",
 )
 
 

@@ -434,6 +434,8 @@ def hint_store_keys(procs: list[ProcessReport]) -> list[Hint]:
     waiting = [p for p in procs if not p.exit_status and _main_store_wait(p) is not None]
     if not waiting:
         return []
+    if any(p.busy and p not in waiting for p in procs if is_rank(p) and not p.exit_status):
+        return []  # a rank still computes: it may yet set the key (the busy rule says so)
     by_key: dict[tuple[tuple[str, ...], str], list[ProcessReport]] = {}
     for proc in waiting:
         wait = _main_store_wait(proc)
