@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import GuardedRunner, assert_hang
 from outcomes import assert_outcomes
 
@@ -16,6 +18,8 @@ from outcomes import assert_outcomes
 SPAWNED_TIMEOUT_S = 25
 #: Forked ranks start at once (the test module imported torch): a short deadline, wide margin.
 FORKED_TIMEOUT_S = 8
+#: torch's harness spawns its ranks, which import torch's test utilities first (seconds more).
+REAL_HARNESS_TIMEOUT_S = 60
 
 #: ``torch.testing._internal.common_distributed.MultiProcessTestCase`` needs ``expecttest``
 #: (not a dependency here), so its launch is written out as it does it: each rank a
@@ -197,4 +201,47 @@ def test_multiprocess_testcase_ranks_are_named_by_their_process_group(
         assert (wait["method"], wait["keys"], wait["store"]) == ("get", ["ready_2"], "FileStore")
         assert {"ready_0", "ready_1"} <= set(wait["keys_set"])
         assert "ready_2" not in wait["keys_set"]
+    session.assert_clean()
+
+
+#: PyTorch's own harness, where it can be imported (its module needs ``expecttest``).
+REAL_HARNESS = f"""
+import pytest
+import torch
+import torch.distributed as c10d
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+
+class TestRealHarness(MultiProcessTestCase):
+    pytestmark = pytest.mark.torch_hang(timeout={REAL_HARNESS_TIMEOUT_S})
+
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_a_store_get_of_a_key_nobody_sets(self):
+        store = c10d.FileStore(self.file_name, self.world_size)
+        c10d.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size)
+        store.set(f"ready_{{self.rank}}", "1")
+        store.get(f"ready_{{self.world_size}}")
+"""
+
+
+def test_pytorchs_own_multiprocess_testcase_ranks_are_ranks(guarded: GuardedRunner) -> None:
+    pytest.importorskip("expecttest", reason="torch's MultiProcessTestCase needs expecttest")
+    guarded.pytester.makepyfile(test_real_harness=REAL_HARNESS)
+    session = guarded.run(timeout=None)
+    assert_outcomes(session.result, hang=1)
+    assert_hang(
+        session,
+        "TestRealHarness.test_a_store_get_of_a_key_nobody_sets",
+        "*[[]rank 0/2 (gloo)[]]*",
+        "*[[]rank 1/2 (gloo)[]]*",
+        "hint: rank 0/2 and rank 1/2 wait in store.get('ready_2') on FileStore *: no process set"
+        " 'ready_2'; keys set: 'ready_0', 'ready_1'*",
+    )
     session.assert_clean()
