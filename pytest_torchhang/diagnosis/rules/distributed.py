@@ -466,7 +466,7 @@ def _store_hint(
     ]
     if wait.keys_set is None:
         text = (
-            f"{head} for {_quoted(wait.keys)}; whether any process set it is not known "
+            f"{head}; whether any process set {_quoted(wait.keys)} is not known "
             f"({wait.keys_note or 'the store was not read'})."
         )
     elif missing:
