@@ -373,6 +373,43 @@ LABELS: dict[str, Label] = {
         facts_only=("busy",),  # the agent may still be busy starting its monitor
     ),
     "test_distributed_slow_rank_computes": _no_cause("busy"),
+    # ranks started as PyTorch's MultiProcessTestCase starts them: known by their process group
+    "test_distributed_plain_process_ranks_one_skips_an_all_reduce": _label(
+        "collectives",
+        "rank 1/2 went past the all_reduce",
+        "(under `if rank == 0:`)",
+        "that rank 0/2 waits in as #2, and is at #2 barrier",
+        role="rank 1/2 (gloo)",
+    ),
+    "test_distributed_plain_process_ranks_in_different_collectives": _label(
+        "collectives",
+        "rank 0/2 in all_reduce, rank 1/2 in broadcast",
+        "is in #2 broadcast",
+        role="rank 0/2 (gloo)",
+    ),
+    # the workers of two ranks say whose they are; the rank in no collective waits for its own
+    "test_distributed_plain_process_rank_waits_for_its_dataloader_worker": _label(
+        "collectives sleeper",
+        "wait in all_reduce for a rank that is not in a collective",
+        "waits in DataLoader's _try_get_data",
+        "for rank 1's DataLoader worker 0/1 (dataset _Shards)",
+        "which sleeps at",
+        role="rank 1/2 (gloo)",
+    ),
+    # slow, not stuck: the rank that sets the key still computes
+    "test_distributed_plain_process_rank_waits_for_a_key_a_computing_rank_sets_later": _no_cause(
+        "busy"
+    ),
+    "test_distributed_plain_process_ranks_wait_for_a_store_key_nobody_sets": Label(
+        ("store_key",),
+        (
+            "rank 0/2 waits in store.get('ready_2')",
+            "no process set 'ready_2'",
+            "rank 1/2 waits in store.get('ready_3')",
+            "keys set: 'ready_0', 'ready_1'",
+        ),
+        role="rank 1/2 (gloo)",
+    ),
 }
 
 

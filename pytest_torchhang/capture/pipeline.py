@@ -342,13 +342,14 @@ def _add_waits(
     evidence: waitgraph.Evidence,
     t0: float,
 ) -> list[str]:
-    """The wait-for evidence and the ranks' collectives into the reports; returns notes."""
+    """The wait-for evidence, the ranks' collectives, roles and store waits into the reports;
+    returns notes."""
     # Ranks' flight recorders after the CPU sample: answering costs them a little CPU.
     asked = collectives.request_collectives([r.pid for r in reports], target.dump_dir)
     fr_wait = max(0.3, target.capture_budget_s - (clock.monotonic() - t0))
-    return attach.attach(
-        reports, evidence, collectives.collect_collectives(asked, target.dump_dir, fr_wait)
-    )
+    answers = collectives.collect_answers(asked, target.dump_dir, fr_wait)
+    notes = attach.attach(reports, evidence, collectives.flight_records(answers))
+    return notes + collectives.add_rank_facts(reports, answers)
 
 
 def _label(

@@ -97,8 +97,15 @@ def _plugin_frame(frame: Frame) -> bool:
     return name.endswith(_PLUGIN_BOTTOM) or name == "<frozen runpy>"
 
 
+#: The wrapper that records a store wait's key (inject/ranks.py): innermost, above the caller.
+_STORE_WRAPPER = "pytest_torchhang/inject/ranks.py"
+
+
 def trim_plugin_frames(stack: ThreadStack) -> None:
-    """Cut the plugin's own frames (zygote, child, jobs, runpy) below a child's user code."""
+    """Cut the plugin's own frames (zygote, child, jobs, runpy) below a child's user code, and
+    the store wrapper above it (the stack then reads as the user's call into torch's C++)."""
+    if stack.frames and stack.frames[0].filename.replace(os.sep, "/").endswith(_STORE_WRAPPER):
+        del stack.frames[0]
     frames = stack.frames
     cut = len(frames)
     while cut > 0 and _plugin_frame(frames[cut - 1]):

@@ -12,7 +12,7 @@ from .frames import waits_in_user_code
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
 from .rules.aio import hint_asyncio
 from .rules.beside import hint_beside_idle_services
-from .rules.distributed import hint_collectives, hint_rank_gone
+from .rules.distributed import hint_collectives, hint_rank_gone, hint_store_keys
 from .rules.enders import add_signal_enders
 from .rules.loading import (
     hint_cuda_before_fork,
@@ -200,6 +200,7 @@ RULES: tuple[Rule, ...] = (
     hint_stopped,
     hint_dead,
     hint_asyncio,
+    hint_store_keys,
     hint_collectives,
     hint_rank_gone,
     hint_unpicklable_batch,

@@ -93,6 +93,10 @@ def label_roles(
             _set(proc, Role.parse(root_role))
         elif proc.exit_status and not proc.role:
             _set(proc, EXITED)
+        elif proc.group_role is not None:
+            # its own process group says it is a rank, whoever started it; the launcher, when
+            # known, stays as a detail
+            _set(proc, _with_launcher(proc.group_role, _launcher(proc, agents)))
         elif proc.role:
             # known before the stacks, as text: a role the process stated (a runner's child, a
             # rank of the distributed fixture), or a helper recognised by its command line
@@ -107,16 +111,41 @@ def label_roles(
             ranks.setdefault(proc.ppid, []).append(proc)
         else:
             _set(proc, _from_stacks(proc))
-    for group in workers.values():
-        for k, proc in enumerate(_ordered(group)):
-            dataset = _dataset_name(proc) or None
-            _set(proc, Role(WORKER, index=k, count=len(group), dataset=dataset))
     for group in ranks.values():
         for r, proc in enumerate(_ordered(group)):
             _set(proc, Role(RANK, rank=r, world=len(group), detail=SPAWNED))
+    # after the ranks: a worker says whose it is
+    by_pid = {p.pid: p for p in processes}
+    for parent, group in workers.items():
+        owner = _owner(by_pid.get(parent))
+        for k, proc in enumerate(_ordered(group)):
+            dataset = _dataset_name(proc) or None
+            _set(proc, Role(WORKER, index=k, count=len(group), dataset=dataset, owner=owner))
     for proc in processes:
         proc.stuck_at = stuck_at(proc)
         proc.busy = is_busy(proc)
+
+
+def _launcher(proc: ProcessReport, agents: set[int]) -> str | None:
+    """How a rank was started, when that shows: torchrun's agent, torch.multiprocessing.spawn."""
+    if proc.ppid in agents:
+        return TORCHRUN
+    if has_frame(proc, "torch/multiprocessing/spawn.py", "_wrap"):
+        return SPAWNED
+    return None
+
+
+def _with_launcher(role: Role, launcher: str | None) -> Role:
+    return Role(RANK, rank=role.rank, world=role.world, backend=role.backend, detail=launcher)
+
+
+def _owner(parent: ProcessReport | None) -> str | None:
+    """``rank 1``: whose DataLoader workers a parent's are, when the parent is a rank (the
+    workers of two ranks are told apart); None for any other parent."""
+    if parent is None or parent.role_facts is None or parent.role_facts.kind != RANK:
+        return None
+    rank = parent.role_facts.rank
+    return None if rank is None else f"rank {rank}"
 
 
 def _label_threads(proc: ProcessReport) -> None:

@@ -360,10 +360,34 @@ _FR_KEYS = (
 )
 
 
+def _sibling(name: str) -> Any:
+    """``pytest_torchhang.inject.<name>``, loaded by path as the start-up hook loads this module
+    (importing the package would need pytest); the loaded one when there is one."""
+    import sys
+
+    full = f"pytest_torchhang.inject.{name}"
+    module = sys.modules.get(full)
+    if module is None:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(full, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def _dump_collectives(out_path: str, since_ns: int) -> None:
     import json
     import pickle
 
+    try:  # the rank's role and store waits, read now: they hold whatever the entries hold
+        facts: dict[str, object] = _sibling("ranks").rank_facts()
+    except Exception as exc:
+        facts = {"errors": [f"{type(exc).__name__}: {exc}"]}
     try:
         import torch
 
@@ -380,6 +404,7 @@ def _dump_collectives(out_path: str, since_ns: int) -> None:
         doc: dict[str, object] = {"entries": [{k: e.get(k) for k in _FR_KEYS} for e in entries]}
     except Exception as exc:  # stacks must still work: the capture reads the error instead
         doc = {"error": f"{type(exc).__name__}: {exc}"}
+    doc.update(facts)
     tmp = out_path + ".tmp"
     with open(tmp, "w") as out:
         json.dump(doc, out, default=str)
@@ -461,6 +486,13 @@ def _wrap_init(module: object) -> None:
 
     init_process_group._torch_hang_wrapped = True  # type: ignore[attr-defined]
     module.init_process_group = init_process_group  # type: ignore[attr-defined]
+    try:  # the key a rank waits for in store.get/wait, for its hang report
+        _sibling("ranks").wrap_stores()
+    except Exception as exc:
+        child_note(
+            f"pytest-torchhang could not record the store keys pid {os.getpid()} waits for: "
+            f"{type(exc).__name__}: {exc}"
+        )
     import sys
 
     package = sys.modules.get("torch.distributed")

@@ -104,6 +104,50 @@ class Collective:
 
 
 @dataclass
+class StoreWait:
+    """A thread of a rank that waits in a torch.distributed store (``store.get``/``store.wait``)
+    for a key, as the process recorded it, with the keys the store held at the capture."""
+
+    thread: str  # ident of the Python thread that waits (as ``ThreadStack.ident``)
+    method: str  # "get" or "wait"
+    keys: list[str] = field(default_factory=list)  # the key(s) waited for, as the call named them
+    store: str = ""  # the store's class: FileStore, TCPStore, PrefixStore, HashStore
+    under: str = ""  # the store a PrefixStore wraps (its prefix is not known)
+    prefixed: bool = False  # the keys are looked up under a PrefixStore's prefix
+    path: str = ""  # a FileStore's file
+    address: str = ""  # a TCPStore's host:port
+    waited_s: float = 0.0  # how long the call had waited at the capture
+    #: the keys the store held at the capture (a FileStore's file, read from outside), in the
+    #: order they were first set; None when they could not be read (``keys_note`` says why)
+    keys_set: list[str] | None = None
+    keys_note: str = ""
+
+    def call(self) -> str:
+        """``store.get('ready_2')``, ``store.wait(['a', 'b'])``."""
+        keys = repr(self.keys[0]) if self.method == "get" and self.keys else repr(self.keys)
+        return f"store.{self.method}({keys})"
+
+    def where(self) -> str:
+        """``FileStore /tmp/x``, ``TCPStore 127.0.0.1:29500``, ``PrefixStore over FileStore``."""
+        inner = f" over {self.under}" if self.under else ""
+        place = self.path or self.address
+        return f"{self.store}{inner}" + (f" {place}" if place else "")
+
+    def missing(self) -> list[str]:
+        """The keys waited for that the store did not hold (empty when its keys are unknown;
+        under a PrefixStore a key counts as held when one ends with ``/key``)."""
+        if self.keys_set is None:
+            return []
+        held = set(self.keys_set)
+        out = []
+        for key in self.keys:
+            if key in held or (self.prefixed and any(k.endswith("/" + key) for k in held)):
+                continue
+            out.append(key)
+        return out
+
+
+@dataclass
 class AsyncTask:
     """One pending asyncio task of a running loop: where its coroutines are suspended (each
     frame down its ``cr_await`` chain, most recent call first) and what it awaits."""
@@ -171,8 +215,10 @@ SPAWNED = "torch.multiprocessing.spawn"
 TORCHRUN = "torchrun"
 _WORKER, _RANK, _PROCESS = "DataLoader worker", "rank", "multiprocessing.Process"
 #: Forms of a role's text, as :meth:`Role.text` writes them (read back by :meth:`Role.parse`).
-_WORKER_TEXT = re.compile(r"^DataLoader worker (\d+)/(\d+)(?: \(dataset (.+)\))?$")
-_RANK_TEXT = re.compile(r"^rank (\d+)/(\d+|\?)(?: \((.+)\))?$")
+_WORKER_TEXT = re.compile(
+    r"^(?:(rank \d+(?:/\d+)?)'s )?DataLoader worker (\d+)/(\d+)(?: \(dataset (.+)\))?$"
+)
+_RANK_TEXT = re.compile(r"^rank (\d+)/(\d+|\?)(?: \(([^()]+)\))?(?: \(([^()]+)\))?$")
 _PROCESS_TEXT = re.compile(r"^multiprocessing\.Process\(target=(.+)\)$")
 _DETAIL_TEXT = re.compile(r"^([^()]+?) \(([^()]+)\)$")
 
@@ -182,8 +228,9 @@ class Role:
     """What a process is in the test's tree, as data; :meth:`text` renders it, once.
 
     ``Role("DataLoader worker", index=1, count=4, dataset="Stuck")`` reads
-    ``DataLoader worker 1/4 (dataset Stuck)``; ``Role("rank", rank=1, world=2, backend="gloo")``
-    reads ``rank 1/2 (gloo)``; any other kind reads as itself, with its detail in parentheses.
+    ``DataLoader worker 1/4 (dataset Stuck)`` (``rank 1's DataLoader worker 1/4`` with its
+    ``owner``); ``Role("rank", rank=1, world=2, backend="gloo")`` reads ``rank 1/2 (gloo)``; any
+    other kind reads as itself, with its detail in parentheses.
     """
 
     kind: str
@@ -195,6 +242,7 @@ class Role:
     world: int | None = None  # None: the world size is not known
     backend: str | None = None  # gloo, nccl
     detail: str | None = None  # anything else worth saying: "xdist worker gw3", how ranks started
+    owner: str | None = None  # whose a DataLoader worker is, when its parent is a rank: "rank 1"
 
     def __str__(self) -> str:
         return self.text()
@@ -207,6 +255,7 @@ class Role:
         """The text, with ``number`` in place of the worker's or rank's number when given."""
         if self.kind == _WORKER:
             head = f"{_WORKER} {_or_unknown(self.index, number)}/{_or_unknown(self.count)}"
+            head = f"{self.owner}'s {head}" if self.owner else head
         elif self.kind == _RANK:
             head = f"rank {_or_unknown(self.rank, number)}/{_or_unknown(self.world)}"
         elif self.kind == _PROCESS and self.target:
@@ -250,14 +299,14 @@ class Role:
     @classmethod
     def _parsed(cls, text: str) -> Role:
         if match := _WORKER_TEXT.match(text):
-            index, count, dataset = match.groups()
-            return cls(_WORKER, index=int(index), count=int(count), dataset=dataset)
+            owner, index, count, dataset = match.groups()
+            return cls(_WORKER, index=int(index), count=int(count), dataset=dataset, owner=owner)
         if match := _RANK_TEXT.match(text):
-            rank, world, said = match.groups()
+            rank, world, said, launcher = match.groups()
             number = None if world == "?" else int(world)
-            if said in (SPAWNED, TORCHRUN):  # a launcher, not a backend
+            if said in (SPAWNED, TORCHRUN) and launcher is None:  # a launcher, not a backend
                 return cls(_RANK, rank=int(rank), world=number, detail=said)
-            return cls(_RANK, rank=int(rank), world=number, backend=said)
+            return cls(_RANK, rank=int(rank), world=number, backend=said, detail=launcher)
         if match := _PROCESS_TEXT.match(text):
             return cls(_PROCESS, target=match.group(1))
         if match := _DETAIL_TEXT.match(text):
@@ -299,6 +348,10 @@ class ProcessReport:
     stderr_tail: list[str] = field(default_factory=list)  # its last lines on sys.stderr, bounded
     event_loops: list[EventLoop] = field(default_factory=list)  # running asyncio loops, tasks
     signals: SignalFacts | None = None  # what a signal would do to it (None: not read)
+    #: the role its own default process group states (rank, world size, backend), read in the
+    #: process at the capture: a rank whoever started it; None for a process without one
+    group_role: Role | None = None
+    store_waits: list[StoreWait] = field(default_factory=list)  # its threads in store.get/wait
 
     def role_data(self) -> Role:
         """The role as data: ``role_facts``, or, in a report built without them, ``role`` read."""
@@ -447,6 +500,13 @@ class HangReport:
                 del proc["event_loops"]
             if proc["signals"] is None:
                 del proc["signals"]
+            if not proc["store_waits"]:
+                del proc["store_waits"]
+            if proc["group_role"] is None:
+                del proc["group_role"]
+            for role in (proc["role_facts"], proc.get("group_role")):
+                if role is not None and role["owner"] is None:
+                    del role["owner"]  # a worker's only: other roles read as before it was kept
             for task, kept in zip(proc["tasks"], report.tasks, strict=True):
                 task["wait"] = waits.to_json(kept.wait)  # with its tag, which asdict drops
         doc["schema"] = "pytest-torchhang/hang-report"
@@ -487,6 +547,9 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
     fields["collectives"] = [Collective(**c) for c in doc.get("collectives", [])]
     fields["event_loops"] = [_loop_from_json(loop) for loop in doc.get("event_loops", [])]
     fields["signals"] = signals.from_json(doc.get("signals"))
+    fields["store_waits"] = [StoreWait(**w) for w in doc.get("store_waits", [])]
+    if doc.get("group_role"):
+        fields["group_role"] = Role(**doc["group_role"])
     facts = doc.get("role_facts")
     if facts:
         fields["role_facts"] = Role(**facts)

@@ -1,6 +1,7 @@
 """Corpus: gloo ranks forked from the pytest process (which has not run a torch op)."""
 
 import fcntl
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -183,3 +184,102 @@ def _unmatched(rank, store):
 
 def test_distributed_send_and_recv_never_match(tmp_path):
     tmp.start_processes(_unmatched, args=(str(tmp_path / "s"),), nprocs=2, start_method="fork")
+
+
+# PyTorch's MultiProcessTestCase launch: each rank a plain multiprocessing.Process (no RANK
+# variable, no torch.multiprocessing), meeting through a FileStore, the parent polling the
+# ranks' exit codes. Only the process group says which process is which rank.
+
+
+def _as_multiprocess_testcase(target, tmp_path):
+    file_name = str(tmp_path / "store")
+    ctx = multiprocessing.get_context("fork")
+    ranks = [
+        ctx.Process(target=target, name=f"process {rank}", args=(rank, file_name))
+        for rank in range(2)
+    ]
+    for rank in ranks:
+        rank.start()
+    while any(rank.exitcode is None for rank in ranks):
+        time.sleep(0.1)
+
+
+def _init_pg(rank, file_name):
+    torch.set_num_threads(1)
+    store = dist.FileStore(file_name, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    return store
+
+
+def _skips_a_reduce(rank, file_name):
+    _init_pg(rank, file_name)
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor)
+    if rank == 0:
+        dist.all_reduce(tensor)  # a metric, reduced on rank 0 only
+    dist.barrier()
+
+
+def test_distributed_plain_process_ranks_one_skips_an_all_reduce(tmp_path):
+    _as_multiprocess_testcase(_skips_a_reduce, tmp_path)
+
+
+def _reduce_or_broadcast(rank, file_name):
+    _init_pg(rank, file_name)
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor)
+    if rank == 0:
+        dist.all_reduce(tensor)
+    else:
+        dist.broadcast(tensor, src=1)
+
+
+def test_distributed_plain_process_ranks_in_different_collectives(tmp_path):
+    _as_multiprocess_testcase(_reduce_or_broadcast, tmp_path)
+
+
+def _waits_for_a_key(rank, file_name):
+    store = _init_pg(rank, file_name)
+    store.set(f"ready_{rank}", "1")
+    store.get(f"ready_{rank + 2}")  # off by two: nobody sets ready_2 or ready_3
+
+
+def test_distributed_plain_process_ranks_wait_for_a_store_key_nobody_sets(tmp_path):
+    _as_multiprocess_testcase(_waits_for_a_key, tmp_path)
+
+
+class _Shards(torch.utils.data.Dataset):
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        if self.rank == 1:
+            time.sleep(1000)  # rank 1's shard is on a mount that stopped answering
+        return torch.ones(2)
+
+
+def _trains_on_shards(rank, file_name):
+    _init_pg(rank, file_name)
+    for batch in torch.utils.data.DataLoader(_Shards(rank), num_workers=1):
+        dist.all_reduce(batch)
+
+
+def test_distributed_plain_process_rank_waits_for_its_dataloader_worker(tmp_path):
+    _as_multiprocess_testcase(_trains_on_shards, tmp_path)
+
+
+def _sets_late(rank, file_name):
+    store = _init_pg(rank, file_name)
+    if rank == 0:
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # a long preparation: it will set the key
+            torch.ones(64, 64).sum()
+        store.set("prepared", "1")
+    store.get("prepared")
+
+
+def test_distributed_plain_process_rank_waits_for_a_key_a_computing_rank_sets_later(tmp_path):
+    _as_multiprocess_testcase(_sets_late, tmp_path)

@@ -127,12 +127,21 @@ CHOSEN = (
     "test_distributed_torchrun_ranks_diverge",
     "test_distributed_slow_rank_computes",
     "test_distributed_send_and_recv_never_match",
+    # ranks started as MultiProcessTestCase does: known by their process group
+    "test_distributed_plain_process_ranks_one_skips_an_all_reduce",
+    "test_distributed_plain_process_ranks_in_different_collectives",
+    "test_distributed_plain_process_ranks_wait_for_a_store_key_nobody_sets",
+    "test_distributed_plain_process_rank_waits_for_its_dataloader_worker",
+    "test_distributed_plain_process_rank_waits_for_a_key_a_computing_rank_sets_later",
 )
 
 
 def _pytest(workdir: Path, *args: str) -> None:
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"]
-    command += ["-q", f"--torch-hang-report-dir={workdir / 'reports'}", *args]
+    # a basetemp of its own: the shared one keeps only the last 3 sessions' (anyone's), and the
+    # sources of the tests' own files under tmp_path (torchrun's script) are read after the run
+    command += ["-q", f"--basetemp={workdir / 'basetemp'}"]
+    command += [f"--torch-hang-report-dir={workdir / 'reports'}", *args]
     subprocess.run(command, cwd=workdir, timeout=1800, check=False)
 
 

@@ -1,10 +1,14 @@
-"""Rules for ranks of torch.distributed: collectives or send/recv that do not match, ranks gone."""
+"""Rules for ranks of torch.distributed: collectives or send/recv that do not match, ranks gone,
+store keys nobody set."""
 
 from __future__ import annotations
 
+import difflib
+import linecache
+import os
 import re
 
-from ...report.model import Hint, ProcessReport
+from ...report.model import Frame, Hint, ProcessReport, StoreWait, same_thread
 from ..frames import (
     RENDEZVOUS,
     collective_of,
@@ -12,6 +16,8 @@ from ..frames import (
     has_frame,
     in_backward,
     in_file,
+    innermost,
+    is_library,
     last_completed,
     main_thread,
     pending_collective,
@@ -90,10 +96,17 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
         text = _unmatched_p2p(ranks, waiting)
     elif len(set(waiting.values())) > 1:
         pairs = ", ".join(f"rank {r} in {_collective_words(c)}" for r, c in sorted(waiting.items()))
+        skipped = _skipped(ranks)
         text = (
-            f"ranks wait in different collectives ({pairs}): every rank must call the same "
-            "collectives in the same order; look for a rank-dependent branch before them (uneven "
-            "inputs, a layer used on one rank only, an early exit)." + detail
+            f"ranks wait in different collectives ({pairs}): "
+            + (
+                f"{skipped} Every rank must call the same collectives in the same order."
+                if skipped
+                else "every rank must call the same collectives in the same order; look for a "
+                "rank-dependent branch before them (uneven inputs, a layer used on one rank "
+                "only, an early exit)."
+            )
+            + detail
         )
     elif waiting and len(waiting) == len(ranks) and set(waiting.values()) <= {"recv", "irecv"}:
         text = (
@@ -108,6 +121,115 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
     else:
         return []
     return [Hint(text, based, rule="collectives", pids=pids)]
+
+
+def _user_frame(proc: ProcessReport) -> Frame | None:
+    """The innermost frame of the user's code in the main thread: where it called torch."""
+    return innermost(proc, lambda f: not is_library(f))
+
+
+_BLOCK = re.compile(r"^(\s*)(if|elif|else|for|while|with|try|except|finally|def|async def)\b")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _header(lines: list[str], lineno: int) -> int:
+    """The line (1-based) of the block header that holds line ``lineno``, 0 at module level.
+
+    By indentation, never ``ast``: see ``frames.enclosing_class``."""
+    indent = _indent(lines[lineno - 1])
+    for k in range(lineno - 1, 0, -1):
+        line = lines[k - 1]
+        if line.strip() and not line.lstrip().startswith("#") and _indent(line) < indent:
+            if _BLOCK.match(line):
+                return k
+            indent = _indent(line)
+    return 0
+
+
+def _block_end(lines: list[str], header: int) -> int:
+    """The last line of the ``if`` chain (its ``elif``/``else`` included) that starts at
+    ``header``."""
+    indent = _indent(lines[header - 1])
+    end = header
+    for k in range(header + 1, len(lines) + 1):
+        line = lines[k - 1]
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if _indent(line) > indent or (
+            _indent(line) == indent and re.match(r"\s*(elif|else)\b", line)
+        ):
+            end = k
+            continue
+        break
+    return end
+
+
+def _skip_condition(filename: str, called: int, passed: int) -> str:
+    """The ``if`` that holds line ``called`` (a collective one rank waits in) and that line
+    ``passed`` (where a rank of the same function is, further on) is after, quoted; "" when
+    ``passed`` is in a branch of the same ``if`` (the ranks took different branches), inside
+    it, or in another block."""
+    lines = linecache.getlines(filename)
+    if not (0 < called < passed <= len(lines)):
+        return ""
+    header = _header(lines, called)
+    while header and not re.match(r"\s*(if|elif|else)\b", lines[header - 1]):
+        if re.match(r"\s*(async def|def)\b", lines[header - 1]):
+            return ""  # the call is no branch's: nothing says it was skipped
+        header = _header(lines, header)
+    if not header:
+        return ""
+    start = header
+    while re.match(r"\s*(elif|else)\b", lines[start - 1]) and start > 1:
+        start = _header_before(lines, start)
+    end = _block_end(lines, start)
+    if passed <= end or _indent(lines[passed - 1]) > _indent(lines[start - 1]):
+        return ""
+    return lines[header - 1].strip()
+
+
+def _header_before(lines: list[str], elif_line: int) -> int:
+    """The ``if``/``elif`` line an ``elif``/``else`` at ``elif_line`` continues."""
+    indent = _indent(lines[elif_line - 1])
+    for k in range(elif_line - 1, 0, -1):
+        line = lines[k - 1]
+        if line.strip() and _indent(line) == indent and re.match(r"\s*(if|elif)\b", line):
+            return k
+    return 1
+
+
+def _skipped(ranks: list[ProcessReport]) -> str:
+    """``rank 1/2 went past the all_reduce at test_x.py:12 (under `if rank == 0:`) that rank
+    0/2 waits in as #2, and is at #2 barrier at line 14.``: ranks at the same collective number
+    in one function, one further on than a collective under a condition it did not take (its
+    flight recorder counts as many collectives as the other's: the call was skipped, not
+    reordered). "" when the evidence does not show that."""
+    pending = {p.pid: pending_collective(p) for p in ranks}
+    frames = {p.pid: _user_frame(p) for p in ranks}
+    said = []
+    for waiter in ranks:
+        for other in ranks:
+            mine, theirs = pending[waiter.pid], pending[other.pid]
+            here, there = frames[waiter.pid], frames[other.pid]
+            if mine is None or theirs is None or here is None or there is None:
+                continue
+            if mine.seq != theirs.seq or mine.name == theirs.name or mine.group != theirs.group:
+                continue
+            if (here.filename, here.name) != (there.filename, there.name):
+                continue
+            condition = _skip_condition(here.filename, here.lineno, there.lineno)
+            if condition:
+                said.append(
+                    f"rank {rank_no(other)} went past the {mine.name} at "
+                    f"{os.path.basename(here.filename)}:{here.lineno} (under `{condition}`) that "
+                    f"rank {rank_no(waiter)} waits in as #{mine.seq}, and is at "
+                    f"#{theirs.seq} {theirs.name} at line {there.lineno}: it skipped that "
+                    f"{mine.name}."
+                )
+    return " ".join(said)
 
 
 #: Point-to-point calls: they pair a sender with one receiver, unlike collectives.
@@ -192,7 +314,7 @@ def _missing_rank(
     for proc in ranks:
         if where[rank_no(proc)]:
             continue
-        missing.append(f"rank {rank_no(proc)} at {proc.stuck_at}")
+        missing.append(f"rank {rank_no(proc)} at {proc.stuck_at}{_waits_on_helper(proc, by_pid)}")
         task = main_task(proc)
         if task is None:
             continue
@@ -212,6 +334,23 @@ def _missing_rank(
         f"in a collective ({', '.join(missing)}): that rank skipped the call or is stuck before it."
         + (f" {'; '.join(cycles)}." if cycles else "")
     )
+
+
+def _waits_on_helper(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> str:
+    """``: waits in DataLoader's _try_get_data at x.py:9, for rank 1's DataLoader worker 0/1
+    (pid 7), which sleeps at x.py:3``: where a rank that is in no collective waits, when the
+    wait-for graph says it waits for a child of its own (its DataLoader worker, a helper)."""
+    # the kernel's main thread (its tid is the pid), whatever Python thread it was matched to
+    task = next((t for t in proc.tasks if t.tid == proc.pid), None)
+    if task is None:
+        return ""
+    children = [
+        by_pid[e.pid] for e in task.waits_for if e.pid in by_pid and by_pid[e.pid].ppid == proc.pid
+    ]
+    if not children:
+        return ""
+    child = children[0]
+    return f": {doing(proc)}, for {child.role} (pid {child.pid}), which {doing(child)}"
 
 
 def hint_rank_gone(procs: list[ProcessReport]) -> list[Hint]:
@@ -239,3 +378,126 @@ def hint_rank_gone(procs: list[ProcessReport]) -> list[Hint]:
             pids=sorted({p.pid for p in waiting}),
         )
     ]
+
+
+# --- store keys -------------------------------------------------------------------------------
+
+#: Keys a process group keeps in the store it was given (gloo's connection keys under the
+#: group's number, ``0//cpu//0/1``): not the user's, so neither listed nor matched.
+_GROUP_KEY = re.compile(r"^\d+/")
+#: Keys named per store wait, and the closest names offered.
+_MAX_KEYS_NAMED = 8
+
+
+def _user_keys(keys: list[str]) -> tuple[list[str], int]:
+    """The store's keys a user set, and how many the process groups keep there."""
+    own = sorted(k for k in keys if not _GROUP_KEY.match(k))
+    return own, len(keys) - len(own)
+
+
+def _quoted(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_MAX_KEYS_NAMED])
+    return shown + (
+        f" and {len(keys) - _MAX_KEYS_NAMED} more" if len(keys) > _MAX_KEYS_NAMED else ""
+    )
+
+
+def _main_store_wait(proc: ProcessReport) -> StoreWait | None:
+    """The store wait of the process's main thread, else its first."""
+    main = main_thread(proc)
+    ident = main.ident if main is not None else ""
+    for wait in proc.store_waits:
+        if same_thread(wait.thread, ident):
+            return wait
+    return proc.store_waits[0] if proc.store_waits else None
+
+
+def _where_rank(proc: ProcessReport, keys: list[str]) -> str:
+    """``rank 0/2 is at collective #2 barrier``: where another rank is, in one phrase."""
+    who = f"rank {rank_no(proc)}" if is_rank(proc) else f"pid {proc.pid}"
+    if proc.exit_status:
+        return f"{who} {proc.exit_status}"
+    wait = _main_store_wait(proc)
+    if wait is not None:
+        same = wait.keys == keys
+        return f"{who} waits in {wait.call()}" + (" too" if same else "")
+    pending = pending_collective(proc)
+    if pending is not None:
+        return f"{who} is at collective {pending.label()}"
+    return f"{who} {doing(proc)}"
+
+
+def hint_store_keys(procs: list[ProcessReport]) -> list[Hint]:
+    """Ranks that wait in ``store.get``/``store.wait`` for a key: the key, whether the store
+    holds it (a FileStore's file is read), the closest name it holds, and where the other ranks
+    are (their store waits, flight recorders and waits)."""
+    waiting = [p for p in procs if not p.exit_status and _main_store_wait(p) is not None]
+    if not waiting:
+        return []
+    if any(p.busy and p not in waiting for p in procs if is_rank(p) and not p.exit_status):
+        return []  # a rank still computes: it may yet set the key (the busy rule says so)
+    by_key: dict[tuple[tuple[str, ...], str], list[ProcessReport]] = {}
+    for proc in waiting:
+        wait = _main_store_wait(proc)
+        assert wait is not None
+        by_key.setdefault((tuple(wait.keys), wait.where()), []).append(proc)
+    out = []
+    for (_keys, _where), group in by_key.items():
+        group.sort(key=lambda p: (role_of(p).rank is None, role_of(p).rank or 0, p.pid))
+        wait = _main_store_wait(group[0])
+        assert wait is not None
+        out.append(_store_hint(procs, group, wait))
+    return out
+
+
+def _store_hint(
+    procs: list[ProcessReport],
+    group: list[ProcessReport],
+    wait: StoreWait,
+) -> Hint:
+    names = " and ".join(f"rank {rank_no(p)}" if is_rank(p) else f"pid {p.pid}" for p in group)
+    verb = "wait" if len(group) > 1 else "waits"
+    head = f"{names} {verb} in {wait.call()} on {wait.where()}"
+    missing = wait.missing()
+    based = [
+        f"{p.role} (pid {p.pid}): {w.call()} on {w.where()}, waiting for {w.waited_s:.1f}s"
+        for p in group
+        if (w := _main_store_wait(p)) is not None
+    ]
+    if wait.keys_set is None:
+        text = (
+            f"{head}; whether any process set {_quoted(wait.keys)} is not known "
+            f"({wait.keys_note or 'the store was not read'})."
+        )
+    elif missing:
+        user, own = _user_keys(wait.keys_set)
+        held = f"keys set: {_quoted(user)}" if user else "no key of the user's is set"
+        if own:
+            held += f" (and {own} of the process groups' own)"
+        close = sorted(
+            {c for key in missing for c in difflib.get_close_matches(key, user, n=2, cutoff=0.6)}
+        )
+        closest = f"; the closest names set: {_quoted(close)}" if close else ""
+        text = (
+            f"{head}: no process set {_quoted(missing)}; {held}{closest}. A key is found only "
+            "under the exact name it was set with: check the name on both sides (an off-by-one "
+            "rank, a missing prefix) and that the process that should set it gets to its set()."
+        )
+        based.append(f"{wait.where()} holds: {_quoted(wait.keys_set)}")
+    else:
+        text = (
+            f"{head}, and the store holds a key of that name: the wait may be under another "
+            "prefix (a PrefixStore) or another store."
+        )
+    others = [p for p in procs if is_rank(p) and p not in group]
+    if others:
+        text += " Meanwhile " + "; ".join(_where_rank(p, wait.keys) for p in others) + "."
+    based += [
+        f"rank {rank_no(p)} (pid {p.pid}) flight recorder: "
+        + ", ".join(
+            f"{c.label()} {'completed' if c.completed else 'pending'}" for c in p.collectives[-3:]
+        )
+        for p in others
+        if p.collectives
+    ]
+    return Hint(text, based, rule="store_key", pids=sorted(p.pid for p in group))
