@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from . import clock, deadline, processwide
 from .deadline import Action, Decision, Event, Kind, Phase, Source
 from .exceptions import HangError
-from .inject import hook
+from .inject import hook, protocol
 from .monitor.client import MonitorClient
 from .processwide import INTERRUPT_SIGNAL
 
@@ -331,7 +331,7 @@ class Watchdog:
         self._stopping = False
         self._preloaded = False  # the cold path, before the first deadline (see PRELOAD_S)
         self._thread = threading.Thread(
-            target=self._run, name=f"{hook.THREAD_PREFIX}watchdog", daemon=True
+            target=self._run, name=f"{protocol.THREAD_PREFIX}watchdog", daemon=True
         )
         self._thread.start()
         hook.name_thread(self._thread)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterable
 
 from .. import clock
-from ..inject.hook import collectives_path, collectives_request_path
+from ..inject.protocol import collectives_path, collectives_request_path
 from ..report.model import Collective
 
 #: Flight-recorder entries kept per rank (the newest).

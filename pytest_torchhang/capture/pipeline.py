@@ -16,7 +16,7 @@ import psutil
 from .. import clock
 from ..diagnosis import engine
 from ..diagnosis.roles import BUSY_CPU_S
-from ..inject.hook import STDERR_KEEP_BYTES, THREAD_PREFIX, notes_path, role_path, stderr_path
+from ..inject.protocol import THREAD_PREFIX, notes_path, read_stderr_copy, role_path, stderr_path
 from ..report.model import HangReport, ProcessReport, Role, StderrTail, ThreadStack
 from . import aio, attach, collectives, procfs, waitgraph
 from .kill import KillResult, kill_tree, remove_leftovers
@@ -464,24 +464,13 @@ def stderr_tail(text: str, partial_first: bool = False) -> list[str]:
 
 
 def read_stderr_tail(path: str, since: float) -> tuple[list[str], float]:
-    """The tail of one process's stderr file and when it was last written (wall time);
+    """The tail of one process's stderr copy and when it was last written (wall time);
     nothing when it was last written before ``since`` (an earlier process with this pid, or
-    an earlier test's lines). Reads at most ``STDERR_KEEP_BYTES``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return [], 0.0
-    try:
-        st = os.fstat(fd)
-        if st.st_mtime < since - 0.01:  # mtime and ``since`` come from two clocks' readings
-            return [], st.st_mtime
-        start = max(st.st_size - STDERR_KEEP_BYTES, 0)
-        raw = os.pread(fd, STDERR_KEEP_BYTES, start)
-    except OSError:
-        return [], 0.0
-    finally:
-        os.close(fd)
-    return stderr_tail(raw.decode("utf-8", "replace"), partial_first=start > 0), st.st_mtime
+    an earlier test's lines). Reads at most ``protocol.STDERR_MAP_BYTES``."""
+    raw, written, cut = read_stderr_copy(path)
+    if written < since - 0.01:  # the stamp and ``since`` come from two clocks' readings
+        return [], written
+    return stderr_tail(raw.decode("utf-8", "replace"), partial_first=cut), written
 
 
 def fill_stderr_tails(dump_dir: str | None, processes: list[ProcessReport], since: float) -> None:

@@ -12,18 +12,28 @@ import functools
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
+
+from .protocol import (
+    DUMP_DIR_ENV,
+    DUMP_SIGNAL,
+    STDERR_HEADER,
+    STDERR_KEEP_BYTES,
+    STDERR_MAP_BYTES,
+    THREAD_PREFIX,
+    collectives_path,
+    collectives_request_path,
+    dump_path,
+    notes_path,
+    role_path,
+    stderr_path,
+    tasks_path,
+)
 
 if TYPE_CHECKING:
     import threading
     from collections.abc import Iterable
     from types import FrameType
-
-#: Set by the plugin while a timeout is armed; names the directory for per-process dump files.
-DUMP_DIR_ENV = "PYTEST_TORCH_HANG_DUMP_DIR"
-#: The signal a guarded process answers by writing the stacks of all its threads. A real-time
-#: signal, so it does not collide with SIGUSR1/SIGUSR2 handlers that training code installs.
-DUMP_SIGNAL = signal.SIGRTMIN + 5
 
 # Wall time out of reach of a test's patches of ``time`` (freezegun, time-machine), as the
 # package's ``clock.wall`` reads it (this module may not import the package): the host's while
@@ -44,41 +54,6 @@ def _wall() -> float:
         _anchor = (host, now)
         return host
     return carried
-
-
-def dump_path(dump_dir: str, pid: int) -> str:
-    """The file process ``pid`` writes its stacks to."""
-    return os.path.join(dump_dir, f"{pid}.stack")
-
-
-def role_path(dump_dir: str, pid: int) -> str:
-    """The file where a process may state its role (a rank, a runner child) for reports."""
-    return os.path.join(dump_dir, f"{pid}.role")
-
-
-def collectives_request_path(dump_dir: str, pid: int) -> str:
-    """The FIFO a rank's flight-recorder listener waits on (one byte asks for a dump)."""
-    return os.path.join(dump_dir, f"{pid}.fr")
-
-
-def collectives_path(dump_dir: str, pid: int) -> str:
-    """The JSON file a rank writes its flight-recorder entries to, on request."""
-    return os.path.join(dump_dir, f"{pid}.collectives.json")
-
-
-def stderr_path(dump_dir: str, pid: int) -> str:
-    """The file where process ``pid`` keeps a copy of the last text it wrote to ``sys.stderr``."""
-    return os.path.join(dump_dir, f"{pid}.stderr")
-
-
-def notes_path(dump_dir: str, pid: int) -> str:
-    """The file where process ``pid`` appends what the plugin's own code failed to do there."""
-    return os.path.join(dump_dir, f"{pid}.notes")
-
-
-#: The plugin's own threads are named so, in Python and in the kernel (``/proc/PID/task/TID/comm``,
-#: cut at 15 bytes), so that a capture from outside leaves them out of the test's CPU.
-THREAD_PREFIX = "torchhang-"
 
 
 def name_thread(thread: threading.Thread) -> None:
@@ -147,44 +122,45 @@ class _Registration:
     python_handler = False
 
 
-#: A process's stderr file is cut back to its last ``STDERR_KEEP_BYTES`` once it passes
-#: ``STDERR_FILE_BYTES``: the report shows at most 20 lines / 4 KiB of it (capture/pipeline.py).
-STDERR_FILE_BYTES = 64 * 1024
-STDERR_KEEP_BYTES = 8 * 1024
+class _Off:
+    """Where a copy that stopped (or never started) writes: nowhere, at the cost of a call."""
+
+    @staticmethod
+    def write(data: bytes) -> int:
+        return 0
 
 
 class StderrTail:
-    """``sys.stderr`` as it was, which also appends what is written to it to ``PID.stderr``.
+    """``sys.stderr`` as it was, which also keeps the tail of what is written to it in
+    ``PID.stderr`` (``protocol.read_stderr_copy`` reads it).
 
     A child's stderr is usually a file or terminal it shares with the rest of the tree (pytest's
     capture file), so only the child itself can tell which lines are its own: the tracebacks
     that ``threading.excepthook``, ``sys.excepthook`` and multiprocessing's queue feeder thread
     (a batch that cannot be pickled) print there often say why the tree hangs. The user's
-    stream is written first and unchanged; the copy never raises (a failure becomes a note and
-    ends the copying). Writes to ``sys.stderr.buffer`` or to fd 2 directly are not seen.
+    stream is written first and unchanged. The copy costs a few memory stores a write, never a
+    system call: the file is mapped (``MAP_SHARED``), so what is copied is in the page cache at
+    once, for a capture from outside, whatever the process does next (hangs in C, dies). The
+    copy never raises (a failure becomes a note and ends the copying). Writes to
+    ``sys.stderr.buffer`` or to fd 2 directly are not seen.
     """
 
     def __init__(self, stream: TextIO, dump_dir: str) -> None:
         self._torchhang_stream = stream
         self._torchhang_dir = dump_dir
-        self._torchhang_fd = -1
-        self._torchhang_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file we opened
-        self._torchhang_pid = 0  # the process that opened it: a fork child opens its own
-        self._torchhang_size = 0
-        self._torchhang_off = False
+        #: This process's mapped file (None: not opened yet; ``_Off``: copying stopped)
+        self._torchhang_map: Any = None
+        self._torchhang_stamp: Any = None  # the header as a float64 view: the last write's time
+        _Copies.add(self)
 
     def write(self, text: str) -> int:
-        """Write to the user's stream, then copy ``text`` to this process's file."""
+        """Write to the user's stream, then copy ``text`` into this process's mapped file."""
         written = self._torchhang_stream.write(text)
-        if not self._torchhang_off and text and isinstance(text, str):
-            try:
-                self._torchhang_keep(text.encode("utf-8", "replace"))
-            except Exception as exc:  # never into user code: say it, and stop copying
-                self._torchhang_off = True
-                child_note(
-                    f"pytest-torchhang stopped keeping the stderr lines of pid {os.getpid()} "
-                    f"(the report will not show them): {type(exc).__name__}: {exc}"
-                )
+        try:  # the hot path: two C calls and a store (``print`` comes here twice a line)
+            self._torchhang_map.write(text.encode("utf-8", "replace"))
+            self._torchhang_stamp[0] = _realtime()
+        except Exception:
+            self._torchhang_slow(text)
         return written
 
     def writelines(self, lines: Iterable[str]) -> None:
@@ -201,44 +177,99 @@ class StderrTail:
     def __repr__(self) -> str:
         return repr(self._torchhang_stream)
 
-    def _torchhang_keep(self, data: bytes) -> None:
-        fd = self._torchhang_file()
-        if fd < 0:
-            return
-        os.write(fd, data)
-        self._torchhang_size += len(data)
-        if self._torchhang_size > STDERR_FILE_BYTES:
-            # Cut back to the tail in place (the descriptor stays valid for other threads; at
-            # worst a line written by another thread in this instant is lost from the copy).
-            keep = os.pread(fd, STDERR_KEEP_BYTES, max(self._torchhang_size - STDERR_KEEP_BYTES, 0))
-            os.ftruncate(fd, 0)
-            os.write(fd, keep)  # O_APPEND: at the new end, which is 0
-            self._torchhang_size = len(keep)
+    @property
+    def _torchhang_off(self) -> bool:
+        return self._torchhang_map is _Off
 
-    def _torchhang_file(self) -> int:
-        """Our descriptor for this process's file, (re)opened when it is not ours any more."""
-        fd, pid = self._torchhang_fd, os.getpid()
-        if fd >= 0:
-            # Code that closes every descriptor and opens files of its own may have been given
-            # our number: write only to (or close) the file we opened.
+    def _torchhang_slow(self, text: object) -> None:
+        """What the hot path could not do: open the file at the first write, move the tail to
+        the front when the text reaches the end, give up (with a note) on a failure."""
+        if self._torchhang_map is _Off or not isinstance(text, str):
+            return
+        try:
+            if self._torchhang_map is None:
+                self._torchhang_open()
+            data = text.encode("utf-8", "replace")
             try:
-                st = os.fstat(fd)
-                ours = (st.st_dev, st.st_ino) == self._torchhang_id
-            except OSError:
-                ours = False
-            if ours and pid == self._torchhang_pid:
-                return fd
-            if ours:  # a fork child's copy of its parent's descriptor
-                os.close(fd)
-            self._torchhang_fd = -1
-        path = stderr_path(self._torchhang_dir, pid)
-        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        fd = os.open(path, flags | (os.O_TRUNC if pid != self._torchhang_pid else 0), 0o600)
-        st = os.fstat(fd)
-        self._torchhang_fd, self._torchhang_pid = fd, pid
-        self._torchhang_id = (st.st_dev, st.st_ino)
-        self._torchhang_size = st.st_size
-        return fd
+                self._torchhang_map.write(data)
+            except ValueError:  # no room left: the text reached the end of the file
+                self._torchhang_wrap(data)
+            self._torchhang_stamp[0] = _realtime()
+        except Exception as exc:  # never into user code: say it, and stop copying
+            self._torchhang_close()
+            self._torchhang_map = _Off
+            self._torchhang_stamp = [0.0]
+            child_note(
+                f"pytest-torchhang stopped keeping the stderr lines of pid {os.getpid()} "
+                f"(the report will not show them): {type(exc).__name__}: {exc}"
+            )
+
+    def _torchhang_open(self) -> None:
+        """Map this process's own file, emptied (an earlier process may have had this pid)."""
+        import mmap
+
+        path = stderr_path(self._torchhang_dir, os.getpid())
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size < STDERR_MAP_BYTES:
+                # blocks reserved now: a full disk fails here, never as SIGBUS at a write. Never
+                # truncated: another mapping of it (an earlier copy of this module) stays valid.
+                os.posix_fallocate(fd, 0, STDERR_MAP_BYTES)
+            try:  # shared: the capture reads the file; writes need no descriptor
+                page = mmap.mmap(fd, STDERR_MAP_BYTES, trackfd=False)  # type: ignore[call-arg,unused-ignore]
+            except TypeError:  # before Python 3.13, the map keeps a copy (close-on-exec)
+                page = mmap.mmap(fd, STDERR_MAP_BYTES)
+        finally:
+            os.close(fd)
+        page.write(bytes(STDERR_MAP_BYTES))
+        page.seek(STDERR_HEADER.size)
+        self._torchhang_stamp = memoryview(page)[: STDERR_HEADER.size].cast("d")
+        self._torchhang_map = page
+
+    def _torchhang_wrap(self, data: bytes) -> None:
+        """Keep the last ``STDERR_KEEP_BYTES`` (from a line's start) at the front, then ``data``
+        (its end, when it alone is longer)."""
+        page, start = self._torchhang_map, STDERR_HEADER.size
+        end = page.tell()
+        keep = page[max(end - STDERR_KEEP_BYTES, start) : end]
+        if end - STDERR_KEEP_BYTES > start:  # cut in a line: that line is left out
+            keep = keep[keep.find(b"\n") + 1 :]
+        data = data[-STDERR_KEEP_BYTES:]
+        page[start : start + len(keep)] = keep
+        page[start + len(keep) : end] = bytes(end - start - len(keep))
+        page.seek(start + len(keep))
+        page.write(data)
+
+    def _torchhang_close(self) -> None:
+        """Stop writing to the mapping (a fork child's copy of its parent's, or a failed one)."""
+        if self._torchhang_map not in (None, _Off):
+            # Kept, never closed: before Python 3.13 a map closes its own copy of the file's
+            # descriptor, whose number other code may have closed and reused since.
+            _Copies.kept.append((self._torchhang_map, self._torchhang_stamp))
+        self._torchhang_stamp, self._torchhang_map = None, None
+
+
+class _Copies:
+    """The process's stderr copies: a fork child lets go of its parent's mappings (its first
+    write then maps its own file), through one at-fork handler."""
+
+    live: Any = None  # weakref.WeakSet of StderrTail, made at the first copy
+    kept: ClassVar[list[tuple[Any, Any]]] = []  # mappings let go of, kept to the end
+
+    @classmethod
+    def add(cls, tail: StderrTail) -> None:
+        if cls.live is None:
+            import weakref
+
+            cls.live = weakref.WeakSet()
+            os.register_at_fork(after_in_child=cls.forget)
+        cls.live.add(tail)
+
+    @classmethod
+    def forget(cls) -> None:
+        for tail in list(cls.live or ()):
+            if not tail._torchhang_off:
+                tail._torchhang_close()
 
 
 def keep_stderr_tail() -> bool:
@@ -535,11 +566,6 @@ _PRIMITIVES = {
     "sleep": "sleep",
 }
 _PRIMITIVE_FILES = ("asyncio/locks.py", "asyncio/queues.py", "asyncio/tasks.py")
-
-
-def tasks_path(dump_dir: str, pid: int) -> str:
-    """The JSON file where process ``pid`` writes its loops' pending tasks, on the dump signal."""
-    return os.path.join(dump_dir, f"{pid}.tasks.json")
 
 
 def _qualname(code: Any, owner: object = None) -> str:

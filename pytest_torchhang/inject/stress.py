@@ -31,7 +31,8 @@ what a queue's ``get`` does inside (its lock, its pipe) is not. A schedule is dr
 replays the same decisions. No CPU pinning: races between processes need both CPUs.
 
 Every wait is bounded (``MAX_DELAY_S`` each, ``BUDGET_S`` in all per process, then yields
-only); the plugin's own threads (named ``torch-hang ...``) are never delayed.
+only); the plugin's own threads (named ``torchhang-...``, ``protocol.THREAD_PREFIX``) are never
+delayed.
 ``PYTEST_TORCH_HANG_STRESS_RECORD=DIR`` writes each process's decisions to
 ``DIR/<process>.schedule`` (one line a decision), so that a test can compare two runs.
 """
@@ -47,17 +48,14 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+# The environment keys and the preparation data's key (inject/protocol.py, the child protocol).
+from .protocol import PLUGIN_THREAD_NAMES, STRESS_ENV
+from .protocol import STRESS_IDENTITY_ENV as IDENTITY_ENV
+from .protocol import STRESS_PLACE_KEY as PLACE_KEY
+from .protocol import STRESS_RECORD_ENV as RECORD_ENV
+
 # Bound at import, out of reach of a test's patches of ``time`` (as inject/hook.py does).
 _sleep = functools.partial(time.sleep)
-
-#: The run's seed, or the path of the hunt's switch file that holds it during a stressed run
-#: (empty during a plain one): set once a session, in the environment of the tree's processes.
-STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
-#: The place in the tree of a fork child's other children (a subprocess, the resource tracker);
-#: multiprocessing's spawned children get theirs in their preparation data.
-IDENTITY_ENV = "PYTEST_TORCH_HANG_STRESS_ID"
-#: A directory: each process writes the decisions of its schedule to ``<process>.schedule``.
-RECORD_ENV = "PYTEST_TORCH_HANG_STRESS_RECORD"
 
 #: The longest single wait at a meeting point.
 MAX_DELAY_S = 0.03
@@ -105,8 +103,9 @@ READ_AFTER = tuple(
 )
 READ, HEAVY, LIGHT = 3.0, 2.0, 0.5
 _WEIGHTS: dict[str, float] = {}
-#: Threads of the plugin itself (watchdog, launcher, listeners) are never delayed.
-OWN_THREADS = ("torch-hang", "pytest-torchhang")
+#: Threads of the plugin itself (watchdog, launcher, listeners, proc readers) are never delayed,
+#: and do not count in a process's thread numbering (a seed replays the same one).
+OWN_THREADS = PLUGIN_THREAD_NAMES
 
 Callback = Callable[..., Any]
 
@@ -373,11 +372,6 @@ def _patch_multiprocessing() -> None:
 
     _set(process.BaseProcess, "start", _like(start, original_start))
     _patch_spawn()
-
-
-#: The key of multiprocessing's preparation data (spawn, forkserver) that hands a child its place:
-#: never the environment, which a setenv per start would change under native threads' getenv.
-PLACE_KEY = "torch_hang_stress_place"
 
 
 def _patch_spawn() -> None:

@@ -13,14 +13,12 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from ..inject.protocol import PLUGIN_THREAD_NAMES
 from .model import Collective, Frame, ProcessReport, ThreadStack
 
 #: Roles of processes that wait by design (helpers) or that the test did not start (context):
 #: they come last, whatever their stacks.
 HELPERS = ("resource_tracker", "forkserver", "torch_shm_manager", "zygote", "started before")
-#: Names of the plugin's own threads (the watchdog, the /proc reader, the launcher, the
-#: flight-recorder listener, bounded calls).
-PLUGIN_THREAD_NAMES = ("torchhang-", "torch-hang ", "pytest-torchhang ")
 #: The placeholder frames of cut stacks (pytest's own, the plugin's, multiprocessing's start-up).
 STARTUP_CUT = "<multiprocessing>"
 _PLACEHOLDERS = ("<pytest>", "<pytest-torchhang>", STARTUP_CUT)
