@@ -53,6 +53,7 @@ def _torchhang_bootstrap() -> None:
     try:
         # first: the others import it (``from .protocol import``), so they find it loaded
         protocol = _load(package_dir, "protocol")
+        _load(package_dir, "stderr")
         hook = _load(package_dir, "hook")
         step = "install its stack-dump handler"
         if hook.install():  # type: ignore[attr-defined]
