@@ -101,6 +101,17 @@ READ_AFTER = tuple(
         "Store.get",
     )
 )
+#: The lost wake-up: a thread reads a flag outside the lock that guards it, then takes the lock
+#: and waits for the notify that comes with the flag; the other thread set it and notified in
+#: between. Stress opens that window from both sides. A thread that takes a condition's lock in
+#: code that waits on it (a waiter) waits longest just before, after its own read: the notifier
+#: may come and go meanwhile. Any other thread waits longest just after, holding the lock before
+#: it changes the state: a waiter that reads meanwhile reads the old value, then queues on the
+#: lock. The other sides stay light: a notifier slowed before the lock, or a waiter holding it,
+#: would only close the window. (A wait at ``wait()``'s entry would not do: the lock is held
+#: there, so no notifier can run in between.)
+WAITER_ENTER = "threading.Condition.__enter__ to wait"
+HELD_AFTER = ("threading.Condition.__enter__/after",)
 READ, HEAVY, LIGHT = 3.0, 2.0, 0.5
 _WEIGHTS: dict[str, float] = {}
 #: Threads of the plugin itself (watchdog, launcher, listeners, proc readers) are never delayed,
@@ -127,6 +138,8 @@ class _State:
     fork_hook = False
     finder: Any = None
     switch = 0.0
+    #: code object -> whether it waits on a condition (``_waits``), kept across runs: it only reads
+    waiters: ClassVar[dict[Any, bool]] = {}
 
 
 class _Schedule:
@@ -188,7 +201,8 @@ def point(site: str) -> None:
     weight = _WEIGHTS.get(site)
     if weight is None:
         weight = HEAVY if site.endswith(HEAVY_AFTER) else LIGHT
-        _WEIGHTS[site] = weight = READ if site.endswith(READ_AFTER) else weight
+        weight = READ if site.endswith(READ_AFTER + HELD_AFTER) or site == WAITER_ENTER else weight
+        _WEIGHTS[site] = weight
     wait = schedule.decide(weight)
     if wait > 0:
         if _State.budget_s <= 0:
@@ -297,8 +311,9 @@ def _patch_threading() -> None:
 
     _set(threading.Thread, "start", _like(start, original_start))
     _around(threading.Thread, "join", after=False)
-    for name in ("__enter__", "wait", "notify"):
+    for name in ("wait", "notify"):
         _around(threading.Condition, name)
+    _patch_condition_enter()
     _around(threading.Condition, "__exit__", before=False)
     for name in ("set", "clear", "wait"):
         _around(threading.Event, name)
@@ -310,6 +325,27 @@ def _patch_threading() -> None:
     lock, rlock = threading.Lock, threading.RLock
     _set(threading, "Lock", lambda: _Lock(lock()))
     _set(threading, "RLock", lambda *a, **k: _Lock(rlock(*a, **k)))
+
+
+def _waits(code: Any) -> bool:
+    """Whether ``code`` (the function that takes a condition's lock) calls a ``wait``."""
+    waits = _State.waiters.get(code)
+    if waits is None:
+        waits = _State.waiters[code] = not {"wait", "wait_for"}.isdisjoint(code.co_names)
+    return waits
+
+
+def _patch_condition_enter() -> None:
+    """``with condition:`` as a meeting point whose weights depend on the caller: a waiter's or
+    another's (see ``WAITER_ENTER``). Decided by the calling code alone, so a seed replays."""
+    original = threading.Condition.__dict__["__enter__"]
+
+    def __enter__(self: threading.Condition) -> bool:
+        waiter = _State.active and _waits(sys._getframe(1).f_code)
+        site = WAITER_ENTER if waiter else "threading.Condition.__enter__"
+        return call(site, original, self)  # type: ignore[no-any-return]
+
+    _set(threading.Condition, "__enter__", _like(__enter__, original))
 
 
 def _patch_multiprocessing() -> None:
