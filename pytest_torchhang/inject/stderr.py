@@ -149,22 +149,21 @@ class StderrTail:
 
 class _Copies:
     """The process's stderr copies: a fork child lets go of its parent's mappings (its first
-    write then maps its own file), through one at-fork handler."""
+    write then maps its own file), through one at-fork handler, registered at import so that it
+    runs before any other handler of the child that could write to stderr."""
 
-    live: Any = None  # weakref.WeakSet of StderrTail, made at the first copy
+    live: ClassVar[list[StderrTail]] = []  # as few as wrappers made (one a process, usually)
     kept: ClassVar[list[tuple[Any, Any]]] = []  # mappings let go of, kept to the end
 
     @classmethod
     def add(cls, tail: StderrTail) -> None:
-        if cls.live is None:
-            import weakref
-
-            cls.live = weakref.WeakSet()
-            os.register_at_fork(after_in_child=cls.forget)
-        cls.live.add(tail)
+        cls.live.append(tail)
 
     @classmethod
     def forget(cls) -> None:
-        for tail in list(cls.live or ()):
+        for tail in list(cls.live):
             if not tail._torchhang_off:
                 tail._torchhang_close()
+
+
+os.register_at_fork(after_in_child=_Copies.forget)
