@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from pytest_torchhang.capture import pipeline, waitgraph  # noqa: E402
 from pytest_torchhang.diagnosis import engine  # noqa: E402
-from pytest_torchhang.inject.hook import DUMP_DIR_ENV  # noqa: E402
+from pytest_torchhang.inject.protocol import DUMP_DIR_ENV  # noqa: E402
 
 CHILD = """
 import fcntl, sys, threading, time
@@ -72,7 +72,7 @@ def _settle(children: list[subprocess.Popen[bytes]], timeout: float = 60.0) -> N
 
 def _handler(pid: int) -> bool:
     from pytest_torchhang.capture.stacks import handles_signal
-    from pytest_torchhang.inject.hook import DUMP_SIGNAL
+    from pytest_torchhang.inject.protocol import DUMP_SIGNAL
 
     return handles_signal(pid, DUMP_SIGNAL)
 

@@ -13,7 +13,7 @@ Then the rare hangs of tests/corpus/corpus_rare.py (issue 24), in one stressed h
 stressed, the even ones plain): each race's plain and stressed rate with its 95% Wilson
 interval, and how much longer a stressed run that did not hang took than a plain one. Goal:
 each race hangs in at least 40% of stressed runs, and more often than plain.
-Run: ``python bench/bench_hunt.py [--runs N] [--corpus-runs N]``.
+Run: ``python bench/bench_hunt.py [--runs N] [--corpus-runs N] [--only-corpus] [--race NAME]``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import tempfile
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 from _common import machine, median, parser, run_session, table
@@ -56,8 +57,9 @@ def _pct(tally: dict[str, object]) -> str:
     return f"{tally['hangs']}/{tally['runs']} {share:.0f}% ({100 * low:.0f}-{100 * high:.0f}%)"
 
 
-def rare_hangs(runs_each: int, timeout_s: float) -> None:
-    """The corpus of rare hangs, plain and stressed, in one hunt; one row a race."""
+def rare_hangs(runs_each: int, timeout_s: float, races: Sequence[str] = ()) -> None:
+    """The corpus of rare hangs (or only ``races``), plain and stressed, in one hunt; one row a
+    race."""
     with tempfile.TemporaryDirectory(prefix="bench-rare-") as tmp:
         root = Path(tmp)
         (root / "test_corpus_rare.py").write_text(RARE.read_text())
@@ -73,7 +75,10 @@ def rare_hangs(runs_each: int, timeout_s: float) -> None:
                 "--torch-hang-hunt-stress",
                 "--torch-hang-hunt-all",
                 f"--torch-hang-report-dir={root / 'reports'}",
-                "test_corpus_rare.py",
+                *(
+                    [f"test_corpus_rare.py::rare_{race}" for race in races]
+                    or ["test_corpus_rare.py"]
+                ),
             ],
             expect=(0, 1),
             timeout=3600,
@@ -108,10 +113,16 @@ def main() -> None:
     args_parser.add_argument(
         "--only-corpus", action="store_true", help="Measure the rare hangs only"
     )
+    args_parser.add_argument(
+        "--race",
+        action="append",
+        default=[],
+        help="Only this race of the corpus (its name without rare_; repeatable)",
+    )
     args = args_parser.parse_args()
     corpus_runs = 3 if args.quick else args.corpus_runs
     if args.only_corpus:
-        rare_hangs(corpus_runs, 2.0)
+        rare_hangs(corpus_runs, 2.0, args.race)
         return
     rounds = 1 if args.quick else args.rounds
     # --quick: the trivial test alone (its file does not import torch), for CI
@@ -142,7 +153,7 @@ def main() -> None:
         rows.append((name, hunted, 1 / hunted, alone, alone / hunted))
     table(["test", "s/run hunted", "runs/s", "s/run fresh", "x faster"], rows, first=20)
     print(f"trivial test: {rows[0][2]:.0f} runs/s hunted (goal: at least 20)")
-    rare_hangs(corpus_runs, 2.0)
+    rare_hangs(corpus_runs, 2.0, args.race)
 
 
 if __name__ == "__main__":

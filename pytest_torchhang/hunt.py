@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from . import clock
+from .inject.protocol import STRESS_ENV, STRESS_RECORD_ENV
 from .report.handoff import HEADLINE_PROPERTY
 from .report.hunts import hunt_line, pressure_lines, signature, wilson
 from .report.model import HangReport
@@ -34,8 +35,6 @@ REPORT_PROPERTY = "torch_hang_report"
 FOUND_DIR_KEY = "torchhang_hunt_found_dir"
 #: The key of pytest-xdist's workerinput that hands the workers the hunt's seed.
 SEED_KEY = "torchhang_hunt_seed"
-#: Names the hunt's switch file of stress for every process of the tree (inject/stress.py).
-STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
 #: A stressed run's seed, on its hang's report (JUnit property).
 SEED_PROPERTY = "torch_hang_hunt_seed"
 #: The terminal hears how the hunt goes at most this often.
@@ -301,7 +300,7 @@ class HuntPlugin:
 
         seed = self.seed_of(item.nodeid)
         self._flip(str(seed))
-        stress.install(seed, "0", os.environ.get(stress.RECORD_ENV, ""))
+        stress.install(seed, "0", os.environ.get(STRESS_RECORD_ENV, ""))
         self._stressing = True
 
     def end_run(self, item: pytest.Item) -> None:

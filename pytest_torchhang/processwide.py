@@ -22,10 +22,9 @@ from collections.abc import Callable
 from types import FrameType, ModuleType
 from typing import Any, ClassVar, TypeVar
 
-from .inject import hook
+from .inject import hook, protocol
+from .inject.protocol import INTERRUPT_SIGNAL as INTERRUPT_SIGNAL
 
-#: Sent to a pytest thread to raise HangError where it is blocked.
-INTERRUPT_SIGNAL = signal.SIGRTMIN + 6
 INJECT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject", "site")
 
 #: Called in the interrupted thread: the exception to raise there, or None (not its turn).
@@ -104,7 +103,7 @@ def _set_up() -> None:
         _Shared.handler_installed = True
     current = os.environ.get("PYTHONPATH")
     values = {
-        hook.DUMP_DIR_ENV: _Shared.dump_dir,
+        protocol.DUMP_DIR_ENV: _Shared.dump_dir,
         "PYTHONPATH": INJECT_DIR + (os.pathsep + current if current else ""),
     }
     for key, value in hook.guarded_env().items():
@@ -232,7 +231,7 @@ def launch(fn: Callable[[], T], wait_s: float = LAUNCH_WAIT_S) -> T:
     with _Launcher.ready:
         if _Launcher.thread is None or not _Launcher.thread.is_alive():
             _Launcher.thread = threading.Thread(
-                target=_Launcher.serve, name=f"{hook.THREAD_PREFIX}launcher", daemon=True
+                target=_Launcher.serve, name=f"{protocol.THREAD_PREFIX}launcher", daemon=True
             )
             _Launcher.thread.start()
             hook.name_thread(_Launcher.thread)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import clock, deadline, processwide
 from .deadline import Action, Decision, Event, Kind, Phase, Source
 from .exceptions import HangError
-from .inject import hook
+from .inject import hook, protocol
 from .monitor.client import MonitorClient
 from .processwide import INTERRUPT_SIGNAL
 
@@ -354,7 +354,7 @@ class Watchdog:
         self._native_id = 0  # the watchdog thread's, for the monitor (its /proc/PID/task/TID)
         self._stops = monitor.board.stopped_between  # bound once: armed with every test
         self._thread = threading.Thread(
-            target=self._run, name=f"{hook.THREAD_PREFIX}watchdog", daemon=True
+            target=self._run, name=f"{protocol.THREAD_PREFIX}watchdog", daemon=True
         )
         self._thread.start()
         hook.name_thread(self._thread)

@@ -14,7 +14,8 @@ import os
 from typing import Any
 
 from .. import clock
-from ..inject.hook import asyncio_snapshot, tasks_path
+from ..inject.hook import asyncio_snapshot
+from ..inject.protocol import tasks_path
 from ..report.model import AsyncTask, EventLoop, Frame, ProcessReport, ThreadStack
 
 #: How long the capture waits, at most, for the tasks of processes that run a loop.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import clock
-from ..inject.hook import collectives_path, collectives_request_path
+from ..inject.protocol import collectives_path, collectives_request_path
 from ..report.model import Collective, ProcessReport, Role, StoreWait
 
 #: Flight-recorder entries kept per rank (the newest).

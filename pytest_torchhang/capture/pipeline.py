@@ -16,7 +16,16 @@ import psutil
 from .. import clock
 from ..diagnosis import engine
 from ..diagnosis.roles import BUSY_CPU_S
-from ..inject.hook import STDERR_KEEP_BYTES, THREAD_PREFIX, notes_path, role_path, stderr_path
+from ..inject.protocol import (
+    NOTES_SUFFIX,
+    STDERR_SUFFIX,
+    THREAD_PREFIX,
+    notes_path,
+    pid_of,
+    read_stderr_copy,
+    role_path,
+    stderr_path,
+)
 from ..report.model import HangReport, ProcessReport, Role, StderrTail, ThreadStack
 from . import aio, attach, collectives, procfs, signals, waitgraph
 from .kill import KillResult, kill_tree, remove_leftovers
@@ -396,18 +405,13 @@ def _dump_notes(dumps: dict[int, Dump]) -> list[str]:
     ]
 
 
-def _pids_with(dump_dir: str, ext: str) -> list[int]:
-    """Pids with a ``PID.<ext>`` file in ``dump_dir`` (processes gone since included), sorted."""
+def _pids_with(dump_dir: str, suffix: str) -> list[int]:
+    """Pids with a ``PID<suffix>`` file in ``dump_dir`` (processes gone since included), sorted."""
     try:
         names = os.listdir(dump_dir)
     except OSError:
         return []
-    pids = []
-    for name in names:
-        stem, _, found = name.partition(".")
-        if found == ext and stem.isdigit():
-            pids.append(int(stem))
-    return sorted(pids)
+    return sorted(pid for name in names if (pid := pid_of(name, suffix)) is not None)
 
 
 def child_notes(dump_dir: str | None, processes: list[ProcessReport], since: float) -> list[str]:
@@ -418,7 +422,7 @@ def child_notes(dump_dir: str | None, processes: list[ProcessReport], since: flo
         return []
     roles = {p.pid: p.role for p in processes}
     out: list[str] = []
-    for pid in _pids_with(dump_dir, "notes"):
+    for pid in _pids_with(dump_dir, NOTES_SUFFIX):
         try:
             with open(notes_path(dump_dir, pid), "rb") as notes:
                 raw = notes.read(1 << 16).decode(errors="replace")
@@ -473,24 +477,13 @@ def stderr_tail(text: str, partial_first: bool = False) -> list[str]:
 
 
 def read_stderr_tail(path: str, since: float) -> tuple[list[str], float]:
-    """The tail of one process's stderr file and when it was last written (wall time);
+    """The tail of one process's stderr copy and when it was last written (wall time);
     nothing when it was last written before ``since`` (an earlier process with this pid, or
-    an earlier test's lines). Reads at most ``STDERR_KEEP_BYTES``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return [], 0.0
-    try:
-        st = os.fstat(fd)
-        if st.st_mtime < since - 0.01:  # mtime and ``since`` come from two clocks' readings
-            return [], st.st_mtime
-        start = max(st.st_size - STDERR_KEEP_BYTES, 0)
-        raw = os.pread(fd, STDERR_KEEP_BYTES, start)
-    except OSError:
-        return [], 0.0
-    finally:
-        os.close(fd)
-    return stderr_tail(raw.decode("utf-8", "replace"), partial_first=start > 0), st.st_mtime
+    an earlier test's lines). Reads at most ``protocol.STDERR_MAP_BYTES``."""
+    raw, written, cut = read_stderr_copy(path)
+    if written < since - 0.01:  # the stamp and ``since`` come from two clocks' readings
+        return [], written
+    return stderr_tail(raw.decode("utf-8", "replace"), partial_first=cut), written
 
 
 def fill_stderr_tails(dump_dir: str | None, processes: list[ProcessReport], since: float) -> None:
@@ -507,7 +500,7 @@ def gone_stderr_tails(dump_dir: str | None, known: set[int], since: float) -> li
     if dump_dir is None:
         return []
     found: list[tuple[float, StderrTail]] = []
-    for pid in _pids_with(dump_dir, "stderr"):
+    for pid in _pids_with(dump_dir, STDERR_SUFFIX):
         if pid in known or pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
             continue  # alive, so not of this tree (a session's helper), or a reused pid
         lines, written = read_stderr_tail(stderr_path(dump_dir, pid), since)

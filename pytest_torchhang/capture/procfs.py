@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 from .. import clock
-from ..inject.hook import THREAD_PREFIX, name_thread
+from ..inject.hook import name_thread
+from ..inject.protocol import THREAD_PREFIX
 
 T = TypeVar("T")
 

@@ -14,7 +14,8 @@ import os
 from typing import Any
 
 from .. import clock
-from ..inject.hook import signal_snapshot, signals_path
+from ..inject.hook import signal_snapshot
+from ..inject.protocol import signals_path
 from ..report.model import ProcessReport
 from ..report.signals import TOLD, SignalFacts, names
 from . import procfs

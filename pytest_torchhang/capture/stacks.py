@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from .. import clock
-from ..inject.hook import DUMP_SIGNAL, dump_path
+from ..inject.protocol import DUMP_SIGNAL, dump_path
 from ..report.model import Frame, ThreadStack
 from . import procfs
 from .tree import ProcessId, signal_process

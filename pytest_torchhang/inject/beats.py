@@ -29,9 +29,10 @@ from typing import Any
 
 from .hook import child_note
 
-#: Names the session's pointer to the guarded test's board (a link); set once, at the first
-#: test with stall detection, and left alone until the session ends.
-PROGRESS_ENV = "PYTEST_TORCH_HANG_PROGRESS"
+# PROGRESS_ENV names the session's pointer to the guarded test's board (a link); set once, at
+# the first test with stall detection, and left alone until the session ends.
+from .protocol import PROGRESS_ENV as PROGRESS_ENV
+
 BOARD_BYTES = 4096
 #: Kinds of progress, in board order.
 KINDS = ("DataLoader batch", "optimizer step", "collective", "progress()")

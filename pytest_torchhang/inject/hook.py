@@ -14,16 +14,23 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
+from .protocol import (
+    DUMP_DIR_ENV,
+    DUMP_SIGNAL,
+    THREAD_PREFIX,
+    collectives_path,
+    collectives_request_path,
+    dump_path,
+    notes_path,
+    role_path,
+    signals_path,
+    tasks_path,
+)
+from .stderr import StderrTail
+
 if TYPE_CHECKING:
     import threading
-    from collections.abc import Iterable
     from types import FrameType
-
-#: Set by the plugin while a timeout is armed; names the directory for per-process dump files.
-DUMP_DIR_ENV = "PYTEST_TORCH_HANG_DUMP_DIR"
-#: The signal a guarded process answers by writing the stacks of all its threads. A real-time
-#: signal, so it does not collide with SIGUSR1/SIGUSR2 handlers that training code installs.
-DUMP_SIGNAL = signal.SIGRTMIN + 5
 
 # Wall time out of reach of a test's patches of ``time`` (freezegun, time-machine), as the
 # package's ``clock.wall`` reads it (this module may not import the package): the host's while
@@ -44,46 +51,6 @@ def _wall() -> float:
         _anchor = (host, now)
         return host
     return carried
-
-
-def dump_path(dump_dir: str, pid: int) -> str:
-    """The file process ``pid`` writes its stacks to."""
-    return os.path.join(dump_dir, f"{pid}.stack")
-
-
-def role_path(dump_dir: str, pid: int) -> str:
-    """The file where a process may state its role (a rank, a runner child) for reports."""
-    return os.path.join(dump_dir, f"{pid}.role")
-
-
-def collectives_request_path(dump_dir: str, pid: int) -> str:
-    """The FIFO a rank's flight-recorder listener waits on (one byte asks for a dump)."""
-    return os.path.join(dump_dir, f"{pid}.fr")
-
-
-def collectives_path(dump_dir: str, pid: int) -> str:
-    """The JSON file a rank writes its flight-recorder entries to, on request."""
-    return os.path.join(dump_dir, f"{pid}.collectives.json")
-
-
-def stderr_path(dump_dir: str, pid: int) -> str:
-    """The file where process ``pid`` keeps a copy of the last text it wrote to ``sys.stderr``."""
-    return os.path.join(dump_dir, f"{pid}.stderr")
-
-
-def signals_path(dump_dir: str, pid: int) -> str:
-    """The JSON file a process writes its own signal facts to when asked for its stacks."""
-    return os.path.join(dump_dir, f"{pid}.signals.json")
-
-
-def notes_path(dump_dir: str, pid: int) -> str:
-    """The file where process ``pid`` appends what the plugin's own code failed to do there."""
-    return os.path.join(dump_dir, f"{pid}.notes")
-
-
-#: The plugin's own threads are named so, in Python and in the kernel (``/proc/PID/task/TID/comm``,
-#: cut at 15 bytes), so that a capture from outside leaves them out of the test's CPU.
-THREAD_PREFIX = "torchhang-"
 
 
 def name_thread(thread: threading.Thread) -> None:
@@ -150,100 +117,6 @@ class _Registration:
     group_since_ns = 0
     #: The dump handler chains to the Python one that writes the asyncio tasks (main thread).
     python_handler = False
-
-
-#: A process's stderr file is cut back to its last ``STDERR_KEEP_BYTES`` once it passes
-#: ``STDERR_FILE_BYTES``: the report shows at most 20 lines / 4 KiB of it (capture/pipeline.py).
-STDERR_FILE_BYTES = 64 * 1024
-STDERR_KEEP_BYTES = 8 * 1024
-
-
-class StderrTail:
-    """``sys.stderr`` as it was, which also appends what is written to it to ``PID.stderr``.
-
-    A child's stderr is usually a file or terminal it shares with the rest of the tree (pytest's
-    capture file), so only the child itself can tell which lines are its own: the tracebacks
-    that ``threading.excepthook``, ``sys.excepthook`` and multiprocessing's queue feeder thread
-    (a batch that cannot be pickled) print there often say why the tree hangs. The user's
-    stream is written first and unchanged; the copy never raises (a failure becomes a note and
-    ends the copying). Writes to ``sys.stderr.buffer`` or to fd 2 directly are not seen.
-    """
-
-    def __init__(self, stream: TextIO, dump_dir: str) -> None:
-        self._torchhang_stream = stream
-        self._torchhang_dir = dump_dir
-        self._torchhang_fd = -1
-        self._torchhang_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file we opened
-        self._torchhang_pid = 0  # the process that opened it: a fork child opens its own
-        self._torchhang_size = 0
-        self._torchhang_off = False
-
-    def write(self, text: str) -> int:
-        """Write to the user's stream, then copy ``text`` to this process's file."""
-        written = self._torchhang_stream.write(text)
-        if not self._torchhang_off and text and isinstance(text, str):
-            try:
-                self._torchhang_keep(text.encode("utf-8", "replace"))
-            except Exception as exc:  # never into user code: say it, and stop copying
-                self._torchhang_off = True
-                child_note(
-                    f"pytest-torchhang stopped keeping the stderr lines of pid {os.getpid()} "
-                    f"(the report will not show them): {type(exc).__name__}: {exc}"
-                )
-        return written
-
-    def writelines(self, lines: Iterable[str]) -> None:
-        """Each line through :meth:`write` (the stream's own would bypass the copy)."""
-        for line in lines:
-            self.write(line)
-
-    def __getattr__(self, name: str) -> Any:
-        # everything else (flush, fileno, encoding, isatty, buffer, ...) is the stream's own
-        if name.startswith("_torchhang_"):  # not set yet (a copy made without __init__)
-            raise AttributeError(name)
-        return getattr(self._torchhang_stream, name)
-
-    def __repr__(self) -> str:
-        return repr(self._torchhang_stream)
-
-    def _torchhang_keep(self, data: bytes) -> None:
-        fd = self._torchhang_file()
-        if fd < 0:
-            return
-        os.write(fd, data)
-        self._torchhang_size += len(data)
-        if self._torchhang_size > STDERR_FILE_BYTES:
-            # Cut back to the tail in place (the descriptor stays valid for other threads; at
-            # worst a line written by another thread in this instant is lost from the copy).
-            keep = os.pread(fd, STDERR_KEEP_BYTES, max(self._torchhang_size - STDERR_KEEP_BYTES, 0))
-            os.ftruncate(fd, 0)
-            os.write(fd, keep)  # O_APPEND: at the new end, which is 0
-            self._torchhang_size = len(keep)
-
-    def _torchhang_file(self) -> int:
-        """Our descriptor for this process's file, (re)opened when it is not ours any more."""
-        fd, pid = self._torchhang_fd, os.getpid()
-        if fd >= 0:
-            # Code that closes every descriptor and opens files of its own may have been given
-            # our number: write only to (or close) the file we opened.
-            try:
-                st = os.fstat(fd)
-                ours = (st.st_dev, st.st_ino) == self._torchhang_id
-            except OSError:
-                ours = False
-            if ours and pid == self._torchhang_pid:
-                return fd
-            if ours:  # a fork child's copy of its parent's descriptor
-                os.close(fd)
-            self._torchhang_fd = -1
-        path = stderr_path(self._torchhang_dir, pid)
-        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        fd = os.open(path, flags | (os.O_TRUNC if pid != self._torchhang_pid else 0), 0o600)
-        st = os.fstat(fd)
-        self._torchhang_fd, self._torchhang_pid = fd, pid
-        self._torchhang_id = (st.st_dev, st.st_ino)
-        self._torchhang_size = st.st_size
-        return fd
 
 
 def keep_stderr_tail() -> bool:
@@ -572,11 +445,6 @@ _PRIMITIVES = {
     "sleep": "sleep",
 }
 _PRIMITIVE_FILES = ("asyncio/locks.py", "asyncio/queues.py", "asyncio/tasks.py")
-
-
-def tasks_path(dump_dir: str, pid: int) -> str:
-    """The JSON file where process ``pid`` writes its loops' pending tasks, on the dump signal."""
-    return os.path.join(dump_dir, f"{pid}.tasks.json")
 
 
 def _qualname(code: Any, owner: object = None) -> str:

@@ -31,7 +31,8 @@ what a queue's ``get`` does inside (its lock, its pipe) is not. A schedule is dr
 replays the same decisions. No CPU pinning: races between processes need both CPUs.
 
 Every wait is bounded (``MAX_DELAY_S`` each, ``BUDGET_S`` in all per process, then yields
-only); the plugin's own threads (named ``torch-hang ...``) are never delayed.
+only); the plugin's own threads (named ``torchhang-...``, ``protocol.THREAD_PREFIX``) are never
+delayed.
 ``PYTEST_TORCH_HANG_STRESS_RECORD=DIR`` writes each process's decisions to
 ``DIR/<process>.schedule`` (one line a decision), so that a test can compare two runs.
 """
@@ -47,17 +48,14 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+# The environment keys and the preparation data's key (inject/protocol.py, the child protocol).
+from .protocol import PLUGIN_THREAD_NAMES, STRESS_ENV
+from .protocol import STRESS_IDENTITY_ENV as IDENTITY_ENV
+from .protocol import STRESS_PLACE_KEY as PLACE_KEY
+from .protocol import STRESS_RECORD_ENV as RECORD_ENV
+
 # Bound at import, out of reach of a test's patches of ``time`` (as inject/hook.py does).
 _sleep = functools.partial(time.sleep)
-
-#: The run's seed, or the path of the hunt's switch file that holds it during a stressed run
-#: (empty during a plain one): set once a session, in the environment of the tree's processes.
-STRESS_ENV = "PYTEST_TORCH_HANG_STRESS"
-#: The place in the tree of a fork child's other children (a subprocess, the resource tracker);
-#: multiprocessing's spawned children get theirs in their preparation data.
-IDENTITY_ENV = "PYTEST_TORCH_HANG_STRESS_ID"
-#: A directory: each process writes the decisions of its schedule to ``<process>.schedule``.
-RECORD_ENV = "PYTEST_TORCH_HANG_STRESS_RECORD"
 
 #: The longest single wait at a meeting point.
 MAX_DELAY_S = 0.03
@@ -103,10 +101,22 @@ READ_AFTER = tuple(
         "Store.get",
     )
 )
+#: The lost wake-up: a thread reads a flag outside the lock that guards it, then takes the lock
+#: and waits for the notify that comes with the flag; the other thread set it and notified in
+#: between. Stress opens that window from both sides. A thread that takes a condition's lock in
+#: code that waits on it (a waiter) waits longest just before, after its own read: the notifier
+#: may come and go meanwhile. Any other thread waits longest just after, holding the lock before
+#: it changes the state: a waiter that reads meanwhile reads the old value, then queues on the
+#: lock. The other sides stay light: a notifier slowed before the lock, or a waiter holding it,
+#: would only close the window. (A wait at ``wait()``'s entry would not do: the lock is held
+#: there, so no notifier can run in between.)
+WAITER_ENTER = "threading.Condition.__enter__ to wait"
+HELD_AFTER = ("threading.Condition.__enter__/after",)
 READ, HEAVY, LIGHT = 3.0, 2.0, 0.5
 _WEIGHTS: dict[str, float] = {}
-#: Threads of the plugin itself (watchdog, launcher, listeners) are never delayed.
-OWN_THREADS = ("torch-hang", "pytest-torchhang")
+#: Threads of the plugin itself (watchdog, launcher, listeners, proc readers) are never delayed,
+#: and do not count in a process's thread numbering (a seed replays the same one).
+OWN_THREADS = PLUGIN_THREAD_NAMES
 
 Callback = Callable[..., Any]
 
@@ -128,6 +138,8 @@ class _State:
     fork_hook = False
     finder: Any = None
     switch = 0.0
+    #: code object -> whether it waits on a condition (``_waits``), kept across runs: it only reads
+    waiters: ClassVar[dict[Any, bool]] = {}
 
 
 class _Schedule:
@@ -189,7 +201,8 @@ def point(site: str) -> None:
     weight = _WEIGHTS.get(site)
     if weight is None:
         weight = HEAVY if site.endswith(HEAVY_AFTER) else LIGHT
-        _WEIGHTS[site] = weight = READ if site.endswith(READ_AFTER) else weight
+        weight = READ if site.endswith(READ_AFTER + HELD_AFTER) or site == WAITER_ENTER else weight
+        _WEIGHTS[site] = weight
     wait = schedule.decide(weight)
     if wait > 0:
         if _State.budget_s <= 0:
@@ -298,8 +311,9 @@ def _patch_threading() -> None:
 
     _set(threading.Thread, "start", _like(start, original_start))
     _around(threading.Thread, "join", after=False)
-    for name in ("__enter__", "wait", "notify"):
+    for name in ("wait", "notify"):
         _around(threading.Condition, name)
+    _patch_condition_enter()
     _around(threading.Condition, "__exit__", before=False)
     for name in ("set", "clear", "wait"):
         _around(threading.Event, name)
@@ -311,6 +325,27 @@ def _patch_threading() -> None:
     lock, rlock = threading.Lock, threading.RLock
     _set(threading, "Lock", lambda: _Lock(lock()))
     _set(threading, "RLock", lambda *a, **k: _Lock(rlock(*a, **k)))
+
+
+def _waits(code: Any) -> bool:
+    """Whether ``code`` (the function that takes a condition's lock) calls a ``wait``."""
+    waits = _State.waiters.get(code)
+    if waits is None:
+        waits = _State.waiters[code] = not {"wait", "wait_for"}.isdisjoint(code.co_names)
+    return waits
+
+
+def _patch_condition_enter() -> None:
+    """``with condition:`` as a meeting point whose weights depend on the caller: a waiter's or
+    another's (see ``WAITER_ENTER``). Decided by the calling code alone, so a seed replays."""
+    original = threading.Condition.__dict__["__enter__"]
+
+    def __enter__(self: threading.Condition) -> bool:
+        waiter = _State.active and _waits(sys._getframe(1).f_code)
+        site = WAITER_ENTER if waiter else "threading.Condition.__enter__"
+        return call(site, original, self)  # type: ignore[no-any-return]
+
+    _set(threading.Condition, "__enter__", _like(__enter__, original))
 
 
 def _patch_multiprocessing() -> None:
@@ -373,11 +408,6 @@ def _patch_multiprocessing() -> None:
 
     _set(process.BaseProcess, "start", _like(start, original_start))
     _patch_spawn()
-
-
-#: The key of multiprocessing's preparation data (spawn, forkserver) that hands a child its place:
-#: never the environment, which a setenv per start would change under native threads' getenv.
-PLACE_KEY = "torch_hang_stress_place"
 
 
 def _patch_spawn() -> None:

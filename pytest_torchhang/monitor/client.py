@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 
-from ..inject.hook import DUMP_DIR_ENV
+from ..inject.protocol import DUMP_DIR_ENV
 from .page import DeadlineBoard
 
 #: The directory that holds the pytest_torchhang package, for a monitor started without site.

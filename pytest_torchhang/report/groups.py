@@ -13,6 +13,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from ..inject.protocol import PLUGIN_THREAD_NAMES
 from .model import Collective, Frame, ProcessReport, TaskWait, ThreadStack
 from .waits import LISTENING
 
@@ -26,9 +27,6 @@ HELPERS = (
     "started before",
     "fixture-owned worker",
 )
-#: Names of the plugin's own threads (the watchdog, the /proc reader, the launcher, the
-#: flight-recorder listener, bounded calls).
-PLUGIN_THREAD_NAMES = ("torchhang-", "torch-hang ", "pytest-torchhang ")
 #: The placeholder frames of cut stacks (pytest's own, the plugin's, multiprocessing's start-up).
 STARTUP_CUT = "<multiprocessing>"
 _PLACEHOLDERS = ("<pytest>", "<pytest-torchhang>", STARTUP_CUT)
@@ -161,6 +159,26 @@ def cut_startup(frames: list[Frame]) -> list[Frame]:
     return frames
 
 
+#: Where ``--torch-hang-hunt-stress`` wraps the user's calls (its ``stressed`` wrappers, its
+#: meeting points): frames of the plugin inside the user's stacks, not of the user's program.
+_STRESS_FILES = ("pytest_torchhang/inject/stress.py",)
+#: The placeholder of cut stress frames: the plugin's own, rendered as pytest's are.
+STRESS_CUT = Frame("<pytest-torchhang>", 0, "... --torch-hang-hunt-stress frames cut")
+
+
+def cut_stress(frames: list[Frame]) -> list[Frame]:
+    """The frames without stress's wrappers around the user's calls: each run of them becomes
+    one ``STRESS_CUT`` line, where it was (the call it wrapped stays, innermost). A step apart
+    from :func:`cut_startup`, run before it."""
+    out: list[Frame] = []
+    for frame in frames:
+        if not frame.filename.replace(os.sep, "/").endswith(_STRESS_FILES):
+            out.append(frame)
+        elif not out or out[-1] is not STRESS_CUT:
+            out.append(STRESS_CUT)
+    return out
+
+
 def is_plugin_thread(thread: ThreadStack) -> bool:
     """A thread of pytest-torchhang itself: by its name, or by the function it was started with."""
     if thread.current or thread.name == "MainThread":
@@ -180,7 +198,7 @@ def main_thread(proc: ProcessReport) -> ThreadStack | None:
 
 
 def _frames_key(frames: list[Frame]) -> tuple[tuple[str, int, str], ...]:
-    return tuple((f.filename, f.lineno, f.name) for f in cut_startup(frames))
+    return tuple((f.filename, f.lineno, f.name) for f in cut_startup(cut_stress(frames)))
 
 
 def thread_key(thread: ThreadStack) -> tuple[tuple[str, int, str], ...]:
@@ -237,7 +255,7 @@ def where(proc: ProcessReport) -> str:
     if proc.exit_status:
         return proc.exit_status
     main = main_thread(proc)
-    cut = cut_startup(main.frames) if main is not None else []
+    cut = cut_startup(cut_stress(main.frames)) if main is not None else []
     frames = [f for f in cut if f.filename not in _PLACEHOLDERS]
     if not frames:
         return proc.stuck_at

@@ -639,10 +639,10 @@ def _same_as(others: list[ProcessReport]) -> list[str]:
 
 
 def _frame_lines(frames: list[Frame]) -> list[str]:
-    from .groups import STARTUP_CUT, cut_startup
+    from .groups import STARTUP_CUT, cut_startup, cut_stress
 
     out = []
-    for frame in cut_startup(frames):
+    for frame in cut_startup(cut_stress(frames)):
         if frame.filename in ("<pytest>", "<pytest-torchhang>", STARTUP_CUT):
             out.append(f"        {frame.name}")
             continue

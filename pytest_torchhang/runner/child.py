@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import clock
 from ..capture.kill import kill_tree
-from ..inject import beats, hook
+from ..inject import beats, hook, protocol
 from ..processwide import become_subreaper, die_with_parent
 
 #: Seconds a child that failed waits (its outcome already written) before it exits.
@@ -90,10 +90,10 @@ def _apply_environment(env: dict[str, str]) -> None:
 def _arm_progress_and_stress() -> None:
     """What the start-up hook does in fresh interpreters, for this forked one: progress beats
     when the test has stall detection, the hunt's stress when asked for."""
-    if os.environ.get(beats.PROGRESS_ENV):
+    if os.environ.get(protocol.PROGRESS_ENV):
         beats.look_again()  # the zygote looked when it started, maybe in another test
         beats.install()
-    if hook.stress_requested(os.environ.get("PYTEST_TORCH_HANG_STRESS", "")):  # STRESS_ENV
+    if hook.stress_requested(os.environ.get(protocol.STRESS_ENV, "")):
         from ..inject import stress
 
         stress.install_from_env(".r")  # its place: a child of the test's process

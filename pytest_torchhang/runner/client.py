@@ -31,7 +31,7 @@ from ..capture import pipeline
 from ..capture.tree import ProcessId, same_process
 from ..exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
 from ..inject import hook
-from ..inject.hook import DUMP_DIR_ENV
+from ..inject.protocol import DUMP_DIR_ENV, STRESS_ENV
 from ..processwide import end_helper
 from .child import Outcome
 
@@ -240,7 +240,7 @@ class Runner:
                 with self._pause_deadline():
                     # never stressed itself (a hunt's stressed run may start it): its
                     # children are, through their request's environment
-                    self._zygote = Zygote(self._child_env({"PYTEST_TORCH_HANG_STRESS": None}))
+                    self._zygote = Zygote(self._child_env({STRESS_ENV: None}))
             return self._zygote
 
     def start(

@@ -12,7 +12,9 @@ after races the Python and PyTorch documentation warn about, and that users keep
 - at shutdown: a child leaves with ``os._exit`` before its queue's feeder thread flushed (the
   multiprocessing docs: buffered items are flushed at exit, which ``os._exit`` skips);
 - check-then-act: ``if not queue.empty(): queue.get()`` by two consumers (the docs: ``empty()``
-  is not reliable).
+  is not reliable);
+- a lost wake-up between threads: a flag read outside the lock that guards it, then a wait
+  for the notify that sets it (the other thread set it and notified in between).
 
 Their names start with ``rare_``, not ``test_``: the diagnosis corpus (which expects each of its
 scenarios to hang every time) leaves them out; a hunt collects them with
@@ -53,6 +55,24 @@ def rare_lost_notify_between_threads():
     threading.Thread(target=say_ready, daemon=True).start()
     with ready:
         ready.wait()  # no predicate: a notify that came before this wait is lost
+
+
+def rare_lost_wakeup_of_a_flag_checked_outside_its_lock():
+    finished = threading.Condition()
+    state = {"done": False}
+
+    def wait_until_done():
+        if not state["done"]:  # read outside the lock that guards it ...
+            with finished:
+                finished.wait()  # ... so the notify may have come between the read and here
+
+    waiter = threading.Thread(target=wait_until_done, daemon=True)
+    waiter.start()
+    time.sleep(0.001)  # its work
+    with finished:
+        state["done"] = True
+        finished.notify_all()
+    waiter.join()
 
 
 def _serve(ready, stop):

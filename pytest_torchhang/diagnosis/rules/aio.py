@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ...inject.protocol import PLUGIN_THREAD_NAMES
 from ...report.model import (
     AsyncTask,
     EventLoop,
@@ -41,7 +42,7 @@ def _ends(task: AsyncTask) -> str:
 
 def _plugin_thread(thread: ThreadStack) -> bool:
     """A thread of this plugin (the watchdog, the /proc reader, a flight-recorder listener)."""
-    if thread.name.startswith(("torch-hang ", "pytest-torchhang ")):
+    if thread.name.startswith(PLUGIN_THREAD_NAMES):
         return True
     paths = [f.filename.replace(os.sep, "/") for f in thread.frames]
     ours = [p for p in paths if "/pytest_torchhang/" in p]

@@ -25,20 +25,21 @@ def _load(package_dir: str, name: str) -> object:
     return module
 
 
-def _note(hook: object, text: str) -> None:
+def _note(protocol: object, hook: object, text: str) -> None:
     """Say what failed, for the hang report (``hook.child_note``, or its format by hand when
-    ``hook`` itself could not be loaded)."""
+    ``hook`` itself could not be loaded; nothing when the protocol could not be either)."""
     note = getattr(hook, "child_note", None)
     if note is not None:
         note(text)
         return
-    dump_dir = _os.environ.get("PYTEST_TORCH_HANG_DUMP_DIR")  # hook.DUMP_DIR_ENV
-    if not dump_dir:
+    dump_dir = _os.environ.get(getattr(protocol, "DUMP_DIR_ENV", ""))
+    notes_path = getattr(protocol, "notes_path", None)
+    if not dump_dir or notes_path is None:
         return
     import time
 
     try:
-        with open(_os.path.join(dump_dir, f"{_os.getpid()}.notes"), "a") as out:
+        with open(notes_path(dump_dir, _os.getpid()), "a") as out:
             out.write(f"{time.time():.3f} {' '.join(text.split())[:1000]}\n")
     except OSError:
         pass  # nowhere left to say it
@@ -47,22 +48,27 @@ def _note(hook: object, text: str) -> None:
 def _torchhang_bootstrap() -> None:
     here = _os.path.dirname(_os.path.abspath(__file__))
     package_dir = _os.path.dirname(here)  # inject/, above inject/site/
-    hook = None
+    protocol = hook = None
     step = "load its start-up hook"
     try:
+        # first: the others import it (``from .protocol import``), so they find it loaded
+        protocol = _load(package_dir, "protocol")
+        _load(package_dir, "stderr")
         hook = _load(package_dir, "hook")
         step = "install its stack-dump handler"
         if hook.install():  # type: ignore[attr-defined]
             step = "keep its stderr lines"
             hook.keep_stderr_tail()  # type: ignore[attr-defined]
-        if _os.environ.get("PYTEST_TORCH_HANG_PROGRESS"):  # stall detection is armed
+        if _os.environ.get(protocol.PROGRESS_ENV):  # type: ignore[attr-defined]  # stall detection
             step = "install its progress beats"
             _load(package_dir, "beats").install()  # type: ignore[attr-defined]
-        if hook.stress_requested(_os.environ.get("PYTEST_TORCH_HANG_STRESS", "")):  # type: ignore[attr-defined]
+        switch = _os.environ.get(protocol.STRESS_ENV, "")  # type: ignore[attr-defined]
+        if hook.stress_requested(switch):  # type: ignore[attr-defined]
             step = "start --torch-hang-hunt-stress"
             _load(package_dir, "stress").install_from_env(fresh=True)  # type: ignore[attr-defined]
     except Exception as exc:  # never break the child's start-up: say it instead
         _note(
+            protocol,
             hook,
             f"pytest-torchhang could not {step} in pid {_os.getpid()}: {type(exc).__name__}: {exc}",
         )
