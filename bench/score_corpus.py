@@ -44,6 +44,8 @@ MANIFEST = ROOT / "corpus" / "manifest.json"
 MARK_ENV = "TORCHHANG_WORLD_MARK"
 #: Past the timeout: the report, the kill and a loaded machine (the judges allow 15 s).
 SLACK_S = 15
+#: Family names shortened for the table.
+SHORT = {"distributed-gloo": "gloo", "multiprocessing": "mp"}
 QUICK = ("test_queue_join_missed_task_done.py", "test_asyncio_lock_reentered.py")
 
 
@@ -209,7 +211,7 @@ def print_results(cases: list[Case]) -> None:
     rows = [
         (
             c.row["case"],
-            c.row["family"],
+            SHORT.get(c.row["family"], c.row["family"]),
             "yes" if c.row["bounded"] else "NO",
             f"{c.row['frames_total'] - len(c.row['frames_missing'])}/{c.row['frames_total']}",
             "yes" if c.row["sibling_passed"] else "NO",
