@@ -87,7 +87,10 @@ def run_batch(cases: list[Case], timeout: float, reports: Path) -> tuple[str, in
     """One pytest session over ``cases``: its output, how many of its processes were left
     running (then killed), and whether it finished by itself."""
     mark = f"{MARK_ENV}_{uuid.uuid4().hex}"
-    files = [str(c.path.relative_to(ROOT)) for c in cases]
+    # in-repo cases by their relative path (node ids as in the suite); another corpus by its own
+    files = [
+        str(c.path.relative_to(ROOT) if c.path.is_relative_to(ROOT) else c.path) for c in cases
+    ]
     args = ["-rA", f"--torch-hang-timeout={timeout}", f"--torch-hang-report-dir={reports}"]
     env = clean_env(**{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
     proc = subprocess.Popen(

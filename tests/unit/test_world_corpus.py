@@ -39,6 +39,8 @@ from _judge import (  # noqa: E402  (bench/ is no package: its helpers are found
     defined_names,
     hints_of,
     judge_hints,
+    matches,
+    own_words,
     report_frames,
 )
 
@@ -86,7 +88,7 @@ def _replayed_hints(path: Path, replay: Replay) -> list[tuple[str, str]]:
 
 
 def test_the_manifest_is_well_formed() -> None:
-    assert len(MANIFEST) >= 30
+    assert len(MANIFEST) >= 35
     assert {e["family"] for e in MANIFEST} >= FAMILIES
     files = [e["file"] for e in MANIFEST]
     assert len(set(files)) == len(files), "one case per file"
@@ -102,6 +104,16 @@ def test_the_manifest_is_well_formed() -> None:
             re.compile(rx)
         assert entry["expected_frames"], entry["file"]
         assert entry["hangs_here"] is True and entry["reaches_hang_within_s"] > 0
+        assert entry["example_right_hint"], entry["file"]
+
+
+def test_each_case_can_be_named_in_own_words() -> None:
+    """Each case's example of a right hint (``example_right_hint``) matches its regexes once the
+    case's own names are removed: the scorer asks for something a hint can say."""
+    for entry in MANIFEST:
+        names = defined_names(CORPUS / entry["file"])
+        text = own_words(entry["example_right_hint"], names)
+        assert matches(text, entry["expected_hint_all"]), (entry["file"], text)
 
 
 def test_every_case_has_its_recorded_report() -> None:
