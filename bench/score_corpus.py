@@ -13,7 +13,8 @@ Run: ``python bench/score_corpus.py [--timeout 8] [--only SUBSTR] [--json OUT] [
 ``--record DIR`` keeps each case's hang report, unedited, as ``DIR/<case>.json``, and beside them
 ``recording.json`` (what the diagnosis reads from this machine's disk; see tests/unit/record.py)
 and ``scores.json`` (this run's verdicts): the unit tier replays them (tests/unit/test_world_corpus.py).
-``--quick`` scores two torch-free cases (what tests/test_bench.py runs).
+``--repeat N`` runs every case N times and tells whether its first hint is the same each time
+(numbers aside). ``--quick`` scores two torch-free cases (what tests/test_bench.py runs).
 """
 
 from __future__ import annotations
@@ -252,6 +253,24 @@ def print_results(cases: list[Case]) -> None:
     print(f"\n{machine()}")
 
 
+def first_hint(row: dict[str, Any]) -> str:
+    """The first hint of a run, with what differs between runs of the same hang (pids, fds,
+    pipe inodes, times: every number) left out."""
+    return re.sub(r"\d+(\.\d+)?", "N", row["hints"][0]) if row["hints"] else ""
+
+
+def print_stability(cases: list[Case]) -> None:
+    """How many runs of each case gave the first hint of its first run."""
+    rows = []
+    for c in cases:
+        runs = c.row["first_hint_runs"]
+        rows.append((c.row["case"], sum(h == runs[0] for h in runs), len(runs)))
+    print("\nthe same first hint in every run (numbers aside):")
+    table(["case", "same", "runs"], rows, 48)
+    stable = sum(same == n for _, same, n in rows)
+    print(f"stable first hint: {stable}/{len(rows)} cases")
+
+
 def main() -> int:
     args = parser(__doc__)
     args.add_argument("--manifest", type=Path, default=MANIFEST)
@@ -260,6 +279,9 @@ def main() -> int:
     args.add_argument("--json", type=Path, help="Write every case's verdicts here")
     args.add_argument("--record", type=Path, help="Keep the reports here for the unit tier")
     args.add_argument("--batch", type=int, default=6, help="Cases per pytest session")
+    args.add_argument(
+        "--repeat", type=int, default=1, help="Run every case N times: is the first hint the same?"
+    )
     options = args.parse_args()
     base = options.manifest.resolve().parent
     cases = [Case.of(e, base) for e in json.loads(options.manifest.read_text())]
@@ -278,17 +300,33 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="torchhang-world-"))
     unfinished = 0
     kept: dict[str, dict[str, Any]] = {}
+    first: dict[str, dict[str, Any]] = {}
     try:
-        for n, group in enumerate(groups):
-            reports_dir = folder / f"batch{n}"
-            output, left, finished = run_batch(group, options.timeout, reports_dir)
-            unfinished += not finished
-            reports = reports_by_test(reports_dir) if reports_dir.exists() else {}
-            kept.update(reports)
-            for case in group:
-                key = f"{case.path.name}::{case.test}"
-                score(case, output, reports.get(key), options.timeout, left)
+        for run in range(options.repeat):
+            for n, group in enumerate(groups):
+                reports_dir = folder / f"run{run}-batch{n}"
+                output, left, finished = run_batch(group, options.timeout, reports_dir)
+                unfinished += not finished
+                reports = reports_by_test(reports_dir) if reports_dir.exists() else {}
+                if run == 0:
+                    kept.update(reports)
+                for case in group:
+                    key = f"{case.path.name}::{case.test}"
+                    score(case, output, reports.get(key), options.timeout, left)
+                    if run == 0:
+                        first[key] = case.row
+                        first[key]["first_hint_runs"] = []
+                    row = first[key]
+                    row["first_hint_runs"].append(first_hint(case.row))
+                    # a case is only as bounded, clean and tidy as its worst run
+                    for flag in ("bounded", "sibling_passed"):
+                        row[flag] = row[flag] and case.row[flag]
+                    row["left_running"] = max(row["left_running"], case.row["left_running"])
+        for case in cases:
+            case.row = first[f"{case.path.name}::{case.test}"]
         print_results(cases)
+        if options.repeat > 1:
+            print_stability(cases)
         if options.record:
             record(options.record, cases, kept)
             print(f"recorded {len(cases)} cases into {options.record}")
