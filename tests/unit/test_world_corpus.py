@@ -116,6 +116,21 @@ def test_each_case_can_be_named_in_own_words() -> None:
         assert matches(text, entry["expected_hint_all"]), (entry["file"], text)
 
 
+def test_no_case_accepts_the_recorded_hints_of_another() -> None:
+    """The regexes are specific: today's hints of one case (none of which names another case's
+    cause) do not pass as naming the cause of any other case."""
+    hints = {p.stem: hints_of(json.loads(p.read_text())) for p in RECORDED}
+    names = {p.stem: defined_names(CORPUS / _case(p.stem)["file"]) for p in RECORDED}
+    lax = [
+        (stem, other)
+        for stem in hints
+        for other in hints
+        if other != stem
+        and judge_hints(hints[other], _case(stem)["expected_hint_all"], names[other])[0]
+    ]
+    assert lax == []
+
+
 def test_every_case_has_its_recorded_report() -> None:
     assert {p.stem for p in RECORDED} == {Path(e["file"]).stem for e in MANIFEST}
     assert set(SCORES) == {p.stem for p in RECORDED}
