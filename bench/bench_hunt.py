@@ -57,12 +57,17 @@ def _pct(tally: dict[str, object]) -> str:
     return f"{tally['hangs']}/{tally['runs']} {share:.0f}% ({100 * low:.0f}-{100 * high:.0f}%)"
 
 
-def rare_hangs(runs_each: int, timeout_s: float, races: Sequence[str] = ()) -> None:
+def rare_hangs(
+    runs_each: int, timeout_s: float, races: Sequence[str] = (), with_torch: bool = False
+) -> None:
     """The corpus of rare hangs (or only ``races``), plain and stressed, in one hunt; one row a
-    race."""
+    race. ``with_torch``: the test file imports torch first, as a user's does, so the session's
+    forks are a large process's (tens of ms each: a race between two children needs the
+    stress's waits to span that)."""
     with tempfile.TemporaryDirectory(prefix="bench-rare-") as tmp:
         root = Path(tmp)
-        (root / "test_corpus_rare.py").write_text(RARE.read_text())
+        head = "import torch  # noqa: F401\n" if with_torch else ""
+        (root / "test_corpus_rare.py").write_text(head + RARE.read_text())
         session = run_session(
             root,
             [
@@ -93,8 +98,9 @@ def rare_hangs(runs_each: int, timeout_s: float, races: Sequence[str] = ()) -> N
             rows.append((name, _pct(plain), _pct(stressed), slower))
     print()
     print(
-        f"rare hangs (tests/corpus/corpus_rare.py), {runs_each} plain + {runs_each} stressed "
-        f"runs each, timeout {timeout_s}s, one hunt of {session.wall_s:.0f}s ({machine()})"
+        f"rare hangs (tests/corpus/corpus_rare.py{', importing torch' if with_torch else ''}), "
+        f"{runs_each} plain + {runs_each} stressed runs each, timeout {timeout_s}s, one hunt "
+        f"of {session.wall_s:.0f}s ({machine()})"
     )
     table(
         ["race", "plain hung (95% CI)", "stressed hung (95% CI)", "stressed run / plain"],
@@ -119,10 +125,15 @@ def main() -> None:
         default=[],
         help="Only this race of the corpus (its name without rare_; repeatable)",
     )
+    args_parser.add_argument(
+        "--with-torch",
+        action="store_true",
+        help="The rare hangs' test file imports torch first (a user's session: slower forks)",
+    )
     args = args_parser.parse_args()
     corpus_runs = 3 if args.quick else args.corpus_runs
     if args.only_corpus:
-        rare_hangs(corpus_runs, 2.0, args.race)
+        rare_hangs(corpus_runs, 2.0, args.race, args.with_torch)
         return
     rounds = 1 if args.quick else args.rounds
     # --quick: the trivial test alone (its file does not import torch), for CI
@@ -153,7 +164,7 @@ def main() -> None:
         rows.append((name, hunted, 1 / hunted, alone, alone / hunted))
     table(["test", "s/run hunted", "runs/s", "s/run fresh", "x faster"], rows, first=20)
     print(f"trivial test: {rows[0][2]:.0f} runs/s hunted (goal: at least 20)")
-    rare_hangs(corpus_runs, 2.0, args.race)
+    rare_hangs(corpus_runs, 2.0, args.race, args.with_torch)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,9 @@ _sleep = functools.partial(time.sleep)
 
 #: The longest single wait at a meeting point.
 MAX_DELAY_S = 0.03
+#: The longest wait after a read of shared state: the other side must arrive in that gap, and a
+#: sibling process forked from a parent that imported torch arrives tens of ms after the first.
+MAX_READ_DELAY_S = 0.1
 #: A process waits at most this long in all; past it, meeting points only yield.
 BUDGET_S = 2.0
 #: Start-up (and each fork) waits up to this long first: start-up and shutdown races need it.
@@ -164,6 +167,8 @@ class _Schedule:
         draw, length = self.rng.random(), self.rng.expovariate(1.0)  # always two draws
         low = 1.0 - self.priority
         if draw < min(0.95, (0.1 + 0.6 * low) * weight):
+            if weight >= READ:  # a read's answer ages as long as a sibling takes to arrive
+                return min(MAX_READ_DELAY_S, length * (0.0003 + 0.03 * low) * weight)
             return min(MAX_DELAY_S, length * (0.0003 + 0.012 * low) * weight)
         return 0.0 if draw < 0.9 else -1.0
 
