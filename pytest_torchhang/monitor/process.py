@@ -53,6 +53,7 @@ def _take_over(
     from ..capture.pipeline import CaptureTarget, capture, kill
     from ..capture.procfs import call_with_timeout
     from ..report.model import HangReport, Hint
+    from ..report.text import to_text
 
     deadline, timeout, before, test_id = armed
     target = CaptureTarget(
@@ -92,12 +93,12 @@ def _take_over(
         Hint(evidence.sentence(seen, thread, call, ending), [f"pytest (pid {pytest_pid})"]),
     )
     banner = "!" * 30 + " pytest-torchhang: session stopped " + "!" * 30
-    text = report.to_text().rsplit("\ncleanup:", 1)[0]  # printed before the kill: no cleanup yet
+    text = to_text(report).rsplit("\ncleanup:", 1)[0]  # printed before the kill: no cleanup yet
     victims = "the test's processes" if spare_root else "the whole tree, pytest included"
     sys.stderr.write(f"\n{banner}\n{text}\nkilling {victims}\n")
     sys.stderr.flush()  # before the kill: whoever waits for pytest reads this when it returns
     kill(target, report)
-    sys.stderr.write(report.to_text().rsplit("\n", 1)[-1] + "\n")
+    sys.stderr.write(to_text(report).rsplit("\n", 1)[-1] + "\n")
     sys.stderr.flush()
     if not spare_root:
         shutil.rmtree(dump_dir, ignore_errors=True)  # pytest, which would have removed it, is gone

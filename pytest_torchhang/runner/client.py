@@ -33,6 +33,7 @@ from ..exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
 from ..inject import hook
 from ..inject.hook import DUMP_DIR_ENV
 from ..processwide import end_helper
+from ..report.text import to_text
 from .child import Outcome
 
 START_METHODS = ("zygote", "spawn", "forkserver")
@@ -523,4 +524,4 @@ def raise_outcome(runner: Runner, child: Child) -> Any:
 
 
 def raise_hang(report: pipeline.HangReport) -> None:
-    raise HangError(report.to_text(), report)
+    raise HangError(to_text(report), report)
