@@ -1,7 +1,7 @@
-"""One hang, one pipeline: snapshot -> capture -> diagnose -> report -> kill.
+"""One capture's reads of the world: the tree, facts before any signal, stacks, waits, stated
+roles, stderr tails and the plugin's own notes; and the kill of the tree.
 
-Used in the pytest process by the watchdog, by the monitor process when the pytest process itself
-cannot move, and by the subprocess runner for its children.
+It diagnoses nothing: ``hang/path.py`` runs these steps in order, with the diagnosis between them.
 """
 
 from __future__ import annotations
@@ -14,17 +14,15 @@ from dataclasses import dataclass
 import psutil
 
 from .. import clock
-from ..diagnosis import engine
-from ..diagnosis.roles import BUSY_CPU_S
 from ..inject.hook import STDERR_KEEP_BYTES, THREAD_PREFIX, notes_path, role_path, stderr_path
-from ..report.model import HangReport, ProcessReport, Role, StderrTail, ThreadStack
+from ..report.model import BUSY_CPU_S, HangReport, ProcessReport, Role, StderrTail, ThreadStack
 from . import aio, attach, collectives, procfs, signals, waitgraph
 from .kill import KillResult, kill_tree, remove_leftovers
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
 from .tree import ProcessId, helper_kind, is_zombie, split_descendants
 
-__all__ = ["CaptureTarget", "HangReport", "capture", "kill", "tree"]
+__all__ = ["CaptureTarget", "Gathered", "gather", "kill", "tree"]
 from .stacks import (
     Dump,
     in_process_threads,
@@ -175,8 +173,22 @@ def _roles(dump_dir: str | None, pids: list[int]) -> dict[int, str]:
     return roles
 
 
-def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> HangReport:
-    """Snapshot the tree and take every process's stacks; kills nothing."""
+@dataclass
+class Gathered:
+    """What one capture read of a tree before any diagnosis: the hang's path reads on from here."""
+
+    t0: float  # clock time the capture began
+    elapsed: float  # since the target began, when the hang was declared
+    reports: list[ProcessReport]  # the tree's processes, roles as they stated them
+    context: list[psutil.Process]  # processes that were there before the target began
+    env: dict[int, dict[str, str]]  # environment variables that name ranks, by pid
+    notes: list[str]
+    reader: procfs.ProcReader  # the capture's bounded reader, and its notes
+    now: float  # wall time the facts were read
+
+
+def gather(target: CaptureTarget, skip_threads: set[int] | None = None) -> Gathered:
+    """Snapshot the tree and take every process's facts, stacks and waits; kills nothing."""
     t0 = clock.monotonic()
     elapsed = t0 - target.started  # when the hang was declared, whatever the capture costs
     # Every read of /proc that can block (a process in state D) is bounded, and all of them by
@@ -203,27 +215,9 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     )
     env = {p.pid: _environ(reader, p.pid) for p in procs if p.pid != target.root_pid}
     notes = _add_waits(target, reports, seen.evidence, t0)
-    _label(target, reports, env)
+    _stated_roles(target, reports)
     notes += _dump_notes(dumps) + aio_notes
-    if target.native:
-        notes += _add_native(target, reports)
-    else:
-        _read_from_outside(reports)
-    began = clock.wall() - (clock.monotonic() - target.started)
-    # Before the diagnosis, which may read them: a traceback there often says the cause.
-    fill_stderr_tails(target.dump_dir, reports, began)
-    gone = gone_stderr_tails(target.dump_dir, {r.pid for r in reports}, began)
-    reports, kept = _set_apart(target, reports)
-    report = _explain(target, elapsed, reports, notes)
-    report.processes += kept
-    report.gone_stderr = gone
-    context_facts = _context_facts(context, seen.now, reader)
-    fill_stderr_tails(target.dump_dir, context_facts, began)
-    report.processes += context_facts
-    report.notes += reader.notes()
-    report.notes += child_notes(target.dump_dir, report.processes, began)
-    report.capture_s = clock.monotonic() - t0
-    return report
+    return Gathered(t0, elapsed, reports, context, env, notes, reader, seen.now)
 
 
 #: A process that used less CPU than this during the capture, and sleeps at its end, is sampled
@@ -351,39 +345,11 @@ def _add_waits(
     )
 
 
-def _label(
-    target: CaptureTarget, reports: list[ProcessReport], env: dict[int, dict[str, str]]
-) -> None:
-    """Roles: what a process said it is, else what its facts and environment show."""
+def _stated_roles(target: CaptureTarget, reports: list[ProcessReport]) -> None:
+    """Roles as processes stated them (``PID.role``); the diagnosis labels the rest."""
     stated = _roles(target.dump_dir, [r.pid for r in reports])
     for report in reports:
         report.role = stated.get(report.pid, report.role)
-    engine.label_roles(reports, target.root_pid, env, target.root_role)
-
-
-def _explain(
-    target: CaptureTarget, elapsed: float, reports: list[ProcessReport], notes: list[str]
-) -> HangReport:
-    """The report: the headline and the hints the diagnosis reads from the processes."""
-    hints = engine.hints(reports)
-    return HangReport(
-        test_id=target.test_id,
-        timeout_s=target.timeout_s,
-        elapsed_s=elapsed,
-        phase=target.phase,
-        headline=engine.headline(
-            target.test_id + (f" (during {target.phase})" if target.phase != "call" else ""),
-            elapsed,
-            reports,
-            target.root_pid,
-            hints,
-        ),
-        hints=hints,
-        processes=reports,
-        notes=notes,
-        cause=engine.cause(hints, reports, target.root_pid),
-        culprits=engine.culprits(reports, target.root_pid, hints),
-    )
 
 
 def _dump_notes(dumps: dict[int, Dump]) -> list[str]:
@@ -516,23 +482,7 @@ def gone_stderr_tails(dump_dir: str | None, known: set[int], since: float) -> li
     return sorted((tail for _, tail in found[:MAX_GONE_STDERR]), key=lambda t: t.pid)
 
 
-def _set_apart(
-    target: CaptureTarget, reports: list[ProcessReport]
-) -> tuple[list[ProcessReport], list[ProcessReport]]:
-    """(the test's, the kept): the workers of a wider fixture's pool (``target.spare``) are
-    shown with their stacks for context, as what the test did not start is, and left out of
-    the diagnosis, which judges the test's own processes."""
-    if not target.spare:
-        return reports, []
-    pids = {pid for pid, _ in target.spare}
-    kept = [r for r in reports if r.pid in pids]
-    for report in kept:
-        report.role = f"{KEPT_ROLE} ({report.role})" if report.role else KEPT_ROLE
-        report.role_facts = Role.parse(report.role)
-    return [r for r in reports if r.pid not in pids], kept
-
-
-def _context_facts(
+def context_facts(
     context: list[psutil.Process], now: float, reader: procfs.ProcReader
 ) -> list[ProcessReport]:
     """Facts (never stacks: no signal is sent) of processes that were there before the test."""
@@ -554,20 +504,7 @@ def _capture_tids(skip_threads: set[int] | None) -> set[int]:
     return skip
 
 
-def _add_native(target: CaptureTarget, reports: list[ProcessReport]) -> list[str]:
-    # A process cannot ptrace itself: the pytest process's own stacks stay Python-only.
-    me = os.getpid()
-    candidates = [r for r in reports if r.pid != me and r.state not in ("zombie", "gone")]
-    candidates.sort(key=lambda r: (r.role.startswith(engine.HELPER_ROLES), r.pid))
-    result = native_stacks(
-        [r.pid for r in candidates], {r.pid for r in candidates if r.role.startswith("rank ")}
-    )
-    for report in reports:
-        report.native = result.stacks.get(report.pid, "")
-    return [result.note] if result.note else []
-
-
-def _read_from_outside(reports: list[ProcessReport]) -> None:
+def read_from_outside(reports: list[ProcessReport]) -> None:
     """Python processes without the dump handler: read their stacks with pystack or py-spy,
     when one is installed (silently skipped otherwise: nobody asked for it)."""
     silent = [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..report.model import SPAWNED, TORCHRUN, ProcessReport, Role
+from ..report.model import BUSY_CPU_S, SPAWNED, TORCHRUN, ProcessReport, Role
 from .frames import (
     all_frames,
     enclosing_class,
@@ -174,10 +174,6 @@ def _from_stacks(proc: ProcessReport) -> Role:
             else Role("multiprocessing child")
         )
     return Role("Python child") if proc.dump_status == "ok" else Role("child process")
-
-
-#: CPU time used during the capture from which a process counts as computing rather than waiting.
-BUSY_CPU_S = 0.02
 
 
 def is_busy(proc: ProcessReport) -> bool:

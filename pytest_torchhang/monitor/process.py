@@ -50,9 +50,10 @@ def _take_over(
     # The session's end must not cut the last-resort report short (stop() kills after a grace)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     site.main()  # started with -S (a fast start): the capture needs site-packages (psutil)
-    from ..capture.pipeline import CaptureTarget, capture, kill
     from ..capture.procfs import call_with_timeout
-    from ..report.model import HangReport, Hint
+    from ..hang.path import CaptureTarget, capture, kill
+    from ..hang.reports import last_resort_failed
+    from ..report.model import Hint
     from ..report.text import to_text
 
     deadline, timeout, before, test_id = armed
@@ -72,14 +73,7 @@ def _take_over(
     try:  # every step of a capture is bounded; their sum must be too, or the kill never comes
         report = call_with_timeout(target.capture_budget_s + CAPTURE_EXTRA_S, capture, target)
     except Exception as exc:
-        report = HangReport(
-            test_id=test_id,
-            timeout_s=timeout,
-            elapsed_s=clock.monotonic() - target.started,
-            phase="call",
-            headline=f"HANG in {test_id}: the stacks could not be taken",
-            notes=[f"pytest-torchhang's last-resort capture failed: {exc}"],
-        )
+        report = last_resort_failed(target, exc)
     ending = (
         "pytest runs in a thread of a host program here, which pytest-torchhang never kills: the "
         "test's processes are killed, and the test stays blocked until that call returns"

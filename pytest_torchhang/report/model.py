@@ -13,6 +13,9 @@ from .waits import WaitObject
 
 #: Version of the JSON document written per hang; bump on incompatible changes.
 SCHEMA_VERSION = 1
+#: CPU time used during the capture from which a process counts as computing rather than waiting
+#: (the capture's second look and the diagnosis read the same line).
+BUSY_CPU_S = 0.02
 
 
 @dataclass(frozen=True)
