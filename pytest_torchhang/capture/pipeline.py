@@ -15,7 +15,15 @@ import psutil
 
 from .. import clock
 from ..inject.hook import STDERR_KEEP_BYTES, THREAD_PREFIX, notes_path, role_path, stderr_path
-from ..report.model import BUSY_CPU_S, HangReport, ProcessReport, Role, StderrTail, ThreadStack
+from ..report.model import (
+    BUSY_CPU_S,
+    CONTEXT_ROLE,
+    HangReport,
+    ProcessReport,
+    Role,
+    StderrTail,
+    ThreadStack,
+)
 from . import aio, attach, collectives, procfs, signals, waitgraph
 from .kill import KillResult, kill_tree, remove_leftovers
 from .native import native_stacks, tool_available
@@ -32,12 +40,9 @@ from .stacks import (
 )
 
 #: How processes that the hung test did not start are shown: never signalled, never killed.
-CONTEXT_ROLE = "started before this test"
 CONTEXT_STATUS = (
     "context only: it was running before this test began, so it is neither signalled nor killed"
 )
-#: How the workers of a pool that a wider fixture owns are shown: with their stacks, never killed.
-KEPT_ROLE = "fixture-owned worker"
 #: Environment variables read from each process (roles of ranks).
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
 

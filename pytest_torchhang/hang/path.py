@@ -16,7 +16,7 @@ from ..capture.kill import KillResult
 from ..capture.native import native_stacks
 from ..capture.target import CaptureTarget
 from ..diagnosis import engine
-from ..report.model import HangReport, ProcessReport, Role
+from ..report.model import KEPT_ROLE, HangReport, ProcessReport, Role, helper_role
 from .reports import Stall, as_stall, explain, failed_report
 
 __all__ = ["CaptureTarget", "HangReport", "Stall", "capture", "capture_and_kill", "fire", "kill"]
@@ -95,7 +95,7 @@ def _set_apart(
     pids = {pid for pid, _ in target.spare}
     kept = [r for r in reports if r.pid in pids]
     for report in kept:
-        report.role = f"{pipeline.KEPT_ROLE} ({report.role})" if report.role else pipeline.KEPT_ROLE
+        report.role = f"{KEPT_ROLE} ({report.role})" if report.role else KEPT_ROLE
         report.role_facts = Role.parse(report.role)
     return [r for r in reports if r.pid not in pids], kept
 
@@ -104,7 +104,7 @@ def _add_native(reports: list[ProcessReport]) -> list[str]:
     # A process cannot ptrace itself: the pytest process's own stacks stay Python-only.
     me = os.getpid()
     candidates = [r for r in reports if r.pid != me and r.state not in ("zombie", "gone")]
-    candidates.sort(key=lambda r: (r.role.startswith(engine.HELPER_ROLES), r.pid))
+    candidates.sort(key=lambda r: (helper_role(r.role), r.pid))
     result = native_stacks(
         [r.pid for r in candidates], {r.pid for r in candidates if r.role.startswith("rank ")}
     )

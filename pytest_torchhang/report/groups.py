@@ -13,19 +13,22 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from .model import Collective, Frame, ProcessReport, TaskWait, ThreadStack
+from .model import (
+    ASIDE_ROLES,
+    HELPER_KINDS,
+    MANAGER_SERVER,
+    Collective,
+    Frame,
+    ProcessReport,
+    TaskWait,
+    ThreadStack,
+)
 from .waits import LISTENING
 
 #: Roles of processes that wait by design (helpers) or that the test did not start (context):
-#: they come last, whatever their stacks.
-HELPERS = (
-    "resource_tracker",
-    "forkserver",
-    "torch_shm_manager",
-    "zygote",
-    "started before",
-    "fixture-owned worker",
-)
+#: they come last, whatever their stacks. A Manager server is not among them: it is ordered by
+#: its stacks, as the test's own processes are (a server blocked serving a call is a culprit).
+HELPERS = (*(kind for kind in HELPER_KINDS if kind != MANAGER_SERVER), *ASIDE_ROLES)
 #: Names of the plugin's own threads (the watchdog, the /proc reader, the launcher, the
 #: flight-recorder listener, bounded calls).
 PLUGIN_THREAD_NAMES = ("torchhang-", "torch-hang ", "pytest-torchhang ")

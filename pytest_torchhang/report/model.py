@@ -17,6 +17,28 @@ SCHEMA_VERSION = 1
 #: (the capture's second look and the diagnosis read the same line).
 BUSY_CPU_S = 0.02
 
+# The vocabulary of roles that several rooms decide on, in one place (issue 30).
+#: Kinds of processes that wait by design (helpers): they name the hang only when nothing else does.
+MANAGER_SERVER = "Manager server"
+HELPER_KINDS = (MANAGER_SERVER, "resource_tracker", "forkserver", "torch_shm_manager", "zygote")
+#: How a process the hung test did not start is shown: never signalled, never killed.
+CONTEXT_ROLE = "started before this test"
+#: How a worker of a pool that a wider-scoped fixture owns is shown: with its stacks, never killed.
+KEPT_ROLE = "fixture-owned worker"
+#: Roles of processes shown for context, which are not the test's own (a helper's role follows).
+ASIDE_ROLES = (CONTEXT_ROLE, KEPT_ROLE)
+
+
+def helper_role(role: str) -> bool:
+    """Whether a role's text is a helper's (``forkserver``, ``Manager server (pid 12)``)."""
+    return role.startswith(HELPER_KINDS)
+
+
+def aside_role(role: str) -> bool:
+    """Whether a role's text is of a process shown for context (``started before this test
+    (zygote)``, ``fixture-owned worker (Pool worker)``), not one of the test's own."""
+    return role.startswith(ASIDE_ROLES)
+
 
 @dataclass(frozen=True)
 class Frame:
