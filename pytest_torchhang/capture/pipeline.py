@@ -1,7 +1,8 @@
 """One capture's reads of the world: the tree, facts before any signal, stacks, waits, stated
-roles, stderr tails and the plugin's own notes; and the kill of the tree.
+roles, stderr tails and the plugin's own notes.
 
-It diagnoses nothing: ``hang/path.py`` runs these steps in order, with the diagnosis between them.
+It diagnoses nothing and kills nothing: ``hang/path.py`` runs these steps in order, with the
+diagnosis between them, and then the kill (``kill.py``).
 """
 
 from __future__ import annotations
@@ -18,19 +19,17 @@ from ..inject.hook import STDERR_KEEP_BYTES, THREAD_PREFIX, notes_path, role_pat
 from ..report.model import (
     BUSY_CPU_S,
     CONTEXT_ROLE,
-    HangReport,
     ProcessReport,
     Role,
     StderrTail,
     ThreadStack,
 )
 from . import aio, attach, collectives, procfs, signals, waitgraph
-from .kill import KillResult, kill_tree, remove_leftovers
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
 from .tree import ProcessId, helper_kind, is_zombie, split_descendants
 
-__all__ = ["CaptureTarget", "Gathered", "gather", "kill", "tree"]
+__all__ = ["CaptureTarget", "Gathered", "gather", "tree"]
 from .stacks import (
     Dump,
     in_process_threads,
@@ -525,51 +524,3 @@ def read_from_outside(reports: list[ProcessReport]) -> None:
         if report.pid in result.stacks:
             report.native = result.stacks[report.pid]
             report.dump_status += "; its Python stack below was read from outside (pystack/py-spy)"
-
-
-def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
-    """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
-    started = clock.monotonic()
-    if target.roots is None:
-        kept = target.before or frozenset()
-        result = kill_tree(
-            target.root_pid,
-            exclude=target.exclude,
-            include_root=target.kill_root,
-            before=kept | target.spare if target.spare else target.before,
-        )
-        if target.spare and report is not None:
-            report.notes.append(target.spare_note)
-    else:
-        result = KillResult()
-        for root in target.roots:
-            _add_kill(result, target, root)
-    for root in target.extra_roots:
-        _add_kill(result, target, root)
-    result.shm_removed = _remove_leftovers(target, result)
-    if report is not None:
-        report.killed = [p.pid for p in result.killed]
-        report.spared = [p.pid for p in result.spared]
-        report.survivors = [p.pid for p in result.survivors]
-        report.shm_removed = result.shm_removed
-        report.kill_s = clock.monotonic() - started
-    return result
-
-
-def _remove_leftovers(target: CaptureTarget, result: KillResult) -> list[str]:
-    """/dev/shm segments and temp-dir listeners that the killed processes made or held."""
-    root_lives = target.roots is not None or not target.kill_root
-    # shm_since 0: a fixture call's children, whose leftovers count from the oldest one's start
-    return remove_leftovers(
-        result, target.shm_since or None, [target.root_pid] if root_lives else []
-    )
-
-
-def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
-    """Kill ``root`` and its tree (runner children: the root too, and its helpers) into ``result``."""
-    part = kill_tree(root, exclude=target.exclude, include_root=True, spare_root_helpers=False)
-    result.killed += part.killed
-    result.spared += part.spared
-    result.survivors += part.survivors
-    result.reaped.update(part.reaped)
-    result.held += part.held

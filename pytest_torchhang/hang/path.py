@@ -12,7 +12,7 @@ import os
 
 from .. import clock
 from ..capture import pipeline
-from ..capture.kill import KillResult
+from ..capture.kill import KillResult, kill_tree, remove_leftovers
 from ..capture.native import native_stacks
 from ..capture.target import CaptureTarget
 from ..diagnosis import engine
@@ -51,7 +51,50 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
 
 def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
     """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
-    return pipeline.kill(target, report)
+    started = clock.monotonic()
+    if target.roots is None:
+        kept = target.before or frozenset()
+        result = kill_tree(
+            target.root_pid,
+            exclude=target.exclude,
+            include_root=target.kill_root,
+            before=kept | target.spare if target.spare else target.before,
+        )
+        if target.spare and report is not None:
+            report.notes.append(target.spare_note)
+    else:
+        result = KillResult()
+        for root in target.roots:
+            _add_kill(result, target, root)
+    for root in target.extra_roots:
+        _add_kill(result, target, root)
+    result.shm_removed = _remove_leftovers(target, result)
+    if report is not None:
+        report.killed = [p.pid for p in result.killed]
+        report.spared = [p.pid for p in result.spared]
+        report.survivors = [p.pid for p in result.survivors]
+        report.shm_removed = result.shm_removed
+        report.kill_s = clock.monotonic() - started
+    return result
+
+
+def _remove_leftovers(target: CaptureTarget, result: KillResult) -> list[str]:
+    """/dev/shm segments and temp-dir listeners that the killed processes made or held."""
+    root_lives = target.roots is not None or not target.kill_root
+    # shm_since 0: a fixture call's children, whose leftovers count from the oldest one's start
+    return remove_leftovers(
+        result, target.shm_since or None, [target.root_pid] if root_lives else []
+    )
+
+
+def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
+    """Kill ``root`` and its tree (runner children: the root too, and its helpers) into ``result``."""
+    part = kill_tree(root, exclude=target.exclude, include_root=True, spare_root_helpers=False)
+    result.killed += part.killed
+    result.spared += part.spared
+    result.survivors += part.survivors
+    result.reaped.update(part.reaped)
+    result.held += part.held
 
 
 def capture_and_kill(target: CaptureTarget) -> HangReport:
