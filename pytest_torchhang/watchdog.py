@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import clock, deadline, processwide
@@ -71,7 +71,9 @@ class TestDeadline:
     debugger: Callable[[], str | None] | None = None
     #: called with the target at a fire, before the capture: marks what the tree holds for
     #: wider-scoped fixtures (``target.spare``), to be captured but not killed
-    before_capture: Callable[[CaptureTarget], None] | None = None
+    before_capture: Callable[[CaptureTarget], CaptureTarget] | None = None
+    #: the phase the test's code runs in now (setup, call, teardown): the capture's, at a fire
+    phase_name: str = "call"
     #: The watchdog's one door: called (without the lock) after another thread queued an action
     #: or moved the wake earlier, so that no change waits for a wake nobody scheduled.
     door: Callable[[TestDeadline], None] | None = field(default=None, repr=False)
@@ -263,7 +265,7 @@ class TestDeadline:
 
     def enter_phase(self, name: str) -> None:
         with self.locked():
-            self.target.phase = name
+            self.phase_name = name
             self._feed(deadline.PhaseStarted(name), None, False)
 
     def leave_phase(self) -> None:
@@ -495,22 +497,25 @@ class Watchdog:
         self._monitor.send("FIRED")
         with self._cond:
             self._told = (id(held), None, 0)
-        target = held.target
-        target.timeout_s = held.state.timeout_s
-        if self._monitor.pid is not None:  # a restarted monitor has a new pid: never kill it
-            target.exclude.add(self._monitor.pid)
-        target.exclude |= self._own_pids()
-        with held.locked():
-            target.extra_roots = [pid for pids in held.call_children.values() for pid in pids]
-        if held.before_capture is not None:
-            try:
-                held.before_capture(target)
-            except Exception as exc:  # the tree is still captured and killed, as before
-                self._errors.append(f"pytest-torchhang could not read fixtures' pools: {exc!r}")
-        skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
         processwide.forget_torn_out_modules()
         from .hang import path  # the cold path: loaded at the first fire
 
+        exclude = set(self._own_pids())
+        if self._monitor.pid is not None:  # a restarted monitor has a new pid: never kill it
+            exclude.add(self._monitor.pid)
+        with held.locked():
+            calls = [pid for pids in held.call_children.values() for pid in pids]
+            target = path.at_fire(
+                held.target, held.state.timeout_s, held.phase_name, exclude, calls
+            )
+        if held.before_capture is not None:
+            try:
+                target = held.before_capture(target)
+            except Exception as exc:  # the tree is still captured and killed, as before
+                self._errors.append(f"pytest-torchhang could not read fixtures' pools: {exc!r}")
+        with held.locked():
+            held.target = target  # what a later kill of this test (REKILL) spares and includes
+        skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
         stall = None
         if stalled:
             state = held.state
@@ -534,4 +539,6 @@ def _failed_report(held: TestDeadline, exc: BaseException) -> HangReport:
     """What is known when the fire itself failed (its cold path could not even be loaded)."""
     from .hang.reports import failed_report
 
-    return failed_report(held.target, exc)
+    # the fire may have failed before it made the capture's target: the model says the rest
+    target = replace(held.target, timeout_s=held.state.timeout_s, phase=held.phase_name)
+    return failed_report(target, exc)

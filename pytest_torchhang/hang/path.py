@@ -8,7 +8,9 @@ the facts it read, and ``reports.py`` builds the report; only the order of the s
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Iterable
 
 from .. import clock
 from ..capture import pipeline
@@ -19,7 +21,35 @@ from ..diagnosis import engine
 from ..report.model import KEPT_ROLE, HangReport, ProcessReport, Role, helper_role
 from .reports import Stall, as_stall, explain, failed_report
 
-__all__ = ["CaptureTarget", "HangReport", "Stall", "capture", "capture_and_kill", "fire", "kill"]
+__all__ = [
+    "CaptureTarget",
+    "HangReport",
+    "Stall",
+    "at_fire",
+    "capture",
+    "capture_and_kill",
+    "fire",
+    "kill",
+]
+
+
+def at_fire(
+    armed: CaptureTarget,
+    timeout_s: float,
+    phase: str,
+    exclude: Iterable[int],
+    extra_roots: Iterable[int],
+) -> CaptureTarget:
+    """The capture's target, made once as a test's deadline fires: the armed test's, with what
+    only the fire knows (the model's timeout, the phase, the plugin's processes now, the fixture
+    calls' children in flight)."""
+    return dataclasses.replace(
+        armed,
+        timeout_s=timeout_s,
+        phase=phase,
+        exclude=armed.exclude | frozenset(exclude),
+        extra_roots=tuple(extra_roots),
+    )
 
 
 def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> HangReport:

@@ -63,7 +63,7 @@ def _take_over(
         root_pid=pytest_pid,
         dump_dir=dump_dir,
         started=deadline - timeout,
-        exclude={os.getpid()},
+        exclude=frozenset({os.getpid()}),
         root_in_process=False,
         kill_root=not spare_root,
         # When the whole session goes down, its fixtures' processes go with it; a host program

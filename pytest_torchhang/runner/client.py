@@ -463,7 +463,7 @@ def _target(
         dump_dir=runner.dump_dir,
         started=clock.monotonic() if started is None else started,
         roots=[c.pid for c in live],
-        exclude=runner.helper_pids(),
+        exclude=frozenset(runner.helper_pids()),
         root_in_process=False,
         kill_root=True,
         root_role="",
