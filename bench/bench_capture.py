@@ -3,7 +3,7 @@
 The tree is real: children of this process with the plugin's start-up hook, blocked the ways
 hangs block (a pipe read, a lock in a two-thread process, a file lock, a sleep). For each size it
 times ``waitgraph.read`` (the kernel's evidence: syscalls, fds, sockets, maps, locks), the hint rules
-over the graph, and ``pipeline.capture`` as a hang uses it (evidence, stacks by signal, facts,
+over the graph, and ``hang.path.capture`` as a hang uses it (evidence, stacks by signal, facts,
 flight-recorder requests, roles and hints); the issue's targets are capture plus graph under
 0.3 s for 4 processes and under 1 s for 64. Run: ``python bench/bench_capture.py [--quick]``.
 """
@@ -22,8 +22,9 @@ from _common import answered, machine, median, parser, spread, table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pytest_torchhang.capture import pipeline, waitgraph  # noqa: E402
+from pytest_torchhang.capture import waitgraph  # noqa: E402
 from pytest_torchhang.diagnosis import engine  # noqa: E402
+from pytest_torchhang.hang import path as hang_path  # noqa: E402
 from pytest_torchhang.inject.protocol import DUMP_DIR_ENV  # noqa: E402
 
 CHILD = """
@@ -96,11 +97,11 @@ def measure(n: int, reps: int) -> dict[str, list[float]]:
                 start = time.perf_counter()
                 waitgraph.read([os.getpid(), *pids])
                 figures["read"].append(time.perf_counter() - start)
-                target = pipeline.CaptureTarget(
+                target = hang_path.CaptureTarget(
                     test_id="bench", timeout_s=1.0, root_pid=os.getpid(), dump_dir=dump_dir
                 )
                 start = time.perf_counter()
-                report = pipeline.capture(target)
+                report = hang_path.capture(target)
                 figures["capture"].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 engine.hints(report.processes)

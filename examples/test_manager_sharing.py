@@ -164,4 +164,4 @@ def test_a_manager_lock_leaked_by_an_early_return_is_caught_as_a_hang(
         and "release it in a finally block" in text
         for text in hints
     ), hints
-    assert "self.lock.acquire()" in report.to_text()  # where the workers wait
+    assert "self.lock.acquire()" in str(caught.value)  # the report's text: where the workers wait

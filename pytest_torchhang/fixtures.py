@@ -24,6 +24,7 @@ import os
 import sys
 import weakref
 from collections.abc import Generator, Iterable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
@@ -177,12 +178,13 @@ class WideFixtures:
 
         return tree.births_below(owners)
 
-    def spare_pools(self, target: CaptureTarget) -> None:
-        """At a fire: mark the workers of pools that wider fixtures' values own as ``spare``
-        (captured, not killed), with the note that says whose they are."""
+    def spare_pools(self, target: CaptureTarget) -> CaptureTarget:
+        """At a fire: the capture's target with the workers of pools that wider fixtures'
+        values own marked as ``spare`` (captured, not killed), and the note that says whose
+        they are."""
         owners = pool_workers(self._values())
         if not owners:
-            return
+            return target
         from .capture import tree
 
         # those that started before the test are context already: the note is of the others
@@ -190,14 +192,14 @@ class WideFixtures:
         spared = {pid for pid, _ in spare}
         owners = {pid: owner for pid, owner in owners.items() if pid in spared}
         if not owners:
-            return
-        target.spare = target.spare | spare
+            return target
         names = sorted(set(owners.values()))
-        target.spare_note = (
+        note = (
             f"spared {len(owners)} worker process(es) {sorted(owners)} and what they started: "
             f"the workers of {', '.join(names)}, which outlive this test (the next test uses "
             "them); they are shown for context, with their stacks, as fixture-owned workers"
         )
+        return replace(target, spare=target.spare | spare, spare_note=note)
 
     def _values(self) -> Iterator[tuple[pytest.FixtureDef[Any], object]]:
         for fixturedef in list(self._defs.values()):  # a copy: pytest's thread may add one

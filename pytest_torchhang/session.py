@@ -6,7 +6,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import pytest
@@ -63,7 +63,7 @@ class SessionState:
     #: fixtures' to stop, not left running by the test during which they started
     pools: Callable[[], Births] | None = None
     #: given to every deadline: at a fire, marks those workers as spared (``fixtures.py``)
-    before_capture: Callable[[CaptureTarget], None] | None = None
+    before_capture: Callable[[CaptureTarget], CaptureTarget] | None = None
     _boards: int = 0  # progress boards made so far: each test gets a new file
     _births_after: Births | None = None  # the last guarded test's closing snapshot
 
@@ -148,8 +148,7 @@ class SessionState:
         watchdog = self.activate()
         held = item.stash.get(DEADLINE, None)
         if held is not None:
-            held.feed(deadline.SetLimit(source, timeout_s))
-            held.target.timeout_s = held.state.timeout_s
+            held.feed(deadline.SetLimit(source, timeout_s))  # the fire reads the timeout there
             watchdog.arm(held)
             return held
         from .capture.target import CaptureTarget
@@ -157,20 +156,20 @@ class SessionState:
 
         now = clock.monotonic()
         state = deadline.start(now, {source: timeout_s}, stall_s)
+        worker = xdist_worker(item.config)
         target = CaptureTarget(
             test_id=item.nodeid,
             timeout_s=state.timeout_s,
             root_pid=os.getpid(),
             dump_dir=self.dump_dir,
             started=now,
-            exclude=self.own_pids(start=False),  # started at activation; restarted on demand
+            # the plugin's processes, started at activation (one restarted since: at the fire)
+            exclude=frozenset(self.own_pids(start=False)),
             shm_since=clock.wall(),
             native=self.settings.native,
             before=self._take_births(),
+            root_role=f"pytest (xdist worker {worker})" if worker else "pytest",
         )
-        worker = xdist_worker(item.config)
-        if worker:
-            target.root_role = f"pytest (xdist worker {worker})"
         held = TestDeadline(target, state, threading.get_ident(), item=item)
         held.before_capture = self.before_capture
         if stall_s > 0:
@@ -194,7 +193,9 @@ class SessionState:
             new = tree.births(me) - before
             held = self.current
             if new and held is not None:
-                held.target.before = (held.target.before or frozenset()) | new
+                with held.locked():  # a fire may make the capture's target from it meanwhile
+                    before = (held.target.before or frozenset()) | new
+                    held.target = replace(held.target, before=before)
                 if self.watchdog is not None:
                     self.watchdog.arm(held)  # the monitor learns of them too
 

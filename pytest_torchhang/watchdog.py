@@ -1,7 +1,7 @@
 """The shell around the deadline model: a thread that executes what ``deadline.py`` decides.
 
-One watchdog thread per session runs the hang pipeline when a test's deadline fires, interrupts
-the test's thread, and keeps the monitor (``monitor.py``, the GIL-independent last resort) told
+One watchdog thread per session runs the hang's path (``hang/``) when a test's deadline fires,
+interrupts the test's thread, and keeps the monitor (``monitor.py``, the GIL-independent last resort) told
 of the next time it must have acted. Every change to a test's deadline, from whichever thread,
 goes through ``TestDeadline.feed``: one lock, one pure decision; only this thread executes one.
 """
@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import clock, deadline, processwide
@@ -37,9 +37,7 @@ MAX_SAMPLES = 120
 #: on this thread, so that its import (tens of ms) does not delay the capture, nor the hang's
 #: time in its headline; a session whose tests end in time never loads it.
 PRELOAD_S = 0.5
-_COLD_PATH = __name__.rsplit(".", 1)[0] + ".capture.pipeline"
-#: A second capture of the same phase is kept as a note of the first: this many frames a thread.
-NOTE_FRAMES = 6
+_COLD_PATH = __name__.rsplit(".", 1)[0] + ".hang.path"
 #: The watchdog thread wakes at least this often, whatever is due (every wait is bounded).
 MAX_WAIT_S = 60.0
 
@@ -73,7 +71,9 @@ class TestDeadline:
     debugger: Callable[[], str | None] | None = None
     #: called with the target at a fire, before the capture: marks what the tree holds for
     #: wider-scoped fixtures (``target.spare``), to be captured but not killed
-    before_capture: Callable[[CaptureTarget], None] | None = None
+    before_capture: Callable[[CaptureTarget], CaptureTarget] | None = None
+    #: the phase the test's code runs in now (setup, call, teardown): the capture's, at a fire
+    phase_name: str = "call"
     #: The watchdog's one door: called (without the lock) after another thread queued an action
     #: or moved the wake earlier, so that no change waits for a wake nobody scheduled.
     door: Callable[[TestDeadline], None] | None = field(default=None, repr=False)
@@ -225,6 +225,8 @@ class TestDeadline:
         with self.locked():
             unreported = self.reports[self.attached :]
             if unreported:
+                from .hang.reports import follow_up_note  # loaded: this is a fire
+
                 unreported[0].notes.append(follow_up_note(unreported[0], report))
             else:
                 self.reports.append(report)
@@ -263,7 +265,7 @@ class TestDeadline:
 
     def enter_phase(self, name: str) -> None:
         with self.locked():
-            self.target.phase = name
+            self.phase_name = name
             self._feed(deadline.PhaseStarted(name), None, False)
 
     def leave_phase(self) -> None:
@@ -301,26 +303,6 @@ class TestDeadline:
         if due < 0:
             return "disarmed"
         return due, state.timeout_s
-
-
-def follow_up_note(first: HangReport, later: HangReport) -> str:
-    """A later capture of the same hang, as a note of the first: when, and where each thread was."""
-    lines = [
-        f"after the interrupt at {first.elapsed_s:.1f}s the test did not end: at "
-        f"{later.elapsed_s:.1f}s (during {later.phase}) it was blocked again, and was "
-        "interrupted again; the second capture saw:"
-    ]
-    for proc in later.processes:
-        for thread in proc.threads:
-            if not thread.frames:
-                continue
-            frames = " <- ".join(
-                f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}"
-                for f in thread.frames[:NOTE_FRAMES]
-            )
-            name = thread.name or thread.ident
-            lines.append(f"      {proc.role} (pid {proc.pid}), {name}: {frames}")
-    return "\n".join(lines)
 
 
 def _async_hang(report: HangReport, held: TestDeadline) -> type[HangError]:
@@ -471,9 +453,9 @@ class Watchdog:
                     self._fire(held, decision.kind is Kind.STALL)
                 elif decision.action is Action.REKILL:
                     processwide.forget_torn_out_modules()
-                    from .capture import pipeline  # the cold path: loaded at the first fire
+                    from .hang import path  # the cold path: loaded at the first fire
 
-                    pipeline.kill(held.target)
+                    path.kill(held.target)
                 self._interrupt(held)
             except Exception as exc:  # the watchdog must outlive its own failures
                 self._failed(held, exc)
@@ -491,7 +473,7 @@ class Watchdog:
         self._preloaded = True
         try:
             processwide.forget_torn_out_modules()
-            from .capture import pipeline  # noqa: F401  (the cold path: see PRELOAD_S)
+            from .hang import path  # noqa: F401  (the cold path: see PRELOAD_S)
         except Exception as exc:  # the fire imports it again, and reports what fails then
             self._errors.append(f"pytest-torchhang could not load its capture: {exc!r}")
             self._preloaded = True  # no retry loop
@@ -515,35 +497,31 @@ class Watchdog:
         self._monitor.send("FIRED")
         with self._cond:
             self._told = (id(held), None, 0)
-        target = held.target
-        target.timeout_s = held.state.timeout_s
+        processwide.forget_torn_out_modules()
+        from .hang import path  # the cold path: loaded at the first fire
+
+        exclude = set(self._own_pids())
         if self._monitor.pid is not None:  # a restarted monitor has a new pid: never kill it
-            target.exclude.add(self._monitor.pid)
-        target.exclude |= self._own_pids()
+            exclude.add(self._monitor.pid)
         with held.locked():
-            target.extra_roots = [pid for pids in held.call_children.values() for pid in pids]
+            calls = [pid for pids in held.call_children.values() for pid in pids]
+            target = path.at_fire(
+                held.target, held.state.timeout_s, held.phase_name, exclude, calls
+            )
         if held.before_capture is not None:
             try:
-                held.before_capture(target)
+                target = held.before_capture(target)
             except Exception as exc:  # the tree is still captured and killed, as before
                 self._errors.append(f"pytest-torchhang could not read fixtures' pools: {exc!r}")
+        with held.locked():
+            held.target = target  # what a later kill of this test (REKILL) spares and includes
         skip = {t for t in (self._thread.ident, processwide.launcher_ident()) if t is not None}
-        try:
-            processwide.forget_torn_out_modules()
-            from .capture import pipeline  # the cold path: loaded at the first fire
-
-            report = pipeline.capture(target, skip_threads=skip)
-        except Exception as exc:  # report what is known, and still kill the tree
-            report = _failed_report(held, exc)
+        stall = None
         if stalled:
-            _as_stall(report, held)
-        elif held.state.fire_source is Source.PYTEST_TIMEOUT:
-            report.notes.append("the deadline came from pytest-timeout (--timeout or its marker)")
-        try:
-            pipeline.kill(target, report)
-        except Exception as exc:
-            report.notes.append(f"pytest-torchhang could not kill the tree: {exc!r}")
-        held.fire_done(report)
+            state = held.state
+            stall = path.Stall(held.board, state.stall_s, state.progress_at, held.samples)
+        from_pytest_timeout = held.state.fire_source is Source.PYTEST_TIMEOUT
+        held.fire_done(path.fire(target, skip, stall, from_pytest_timeout))
 
     def _interrupt(self, held: TestDeadline) -> None:
         """Make the test's thread raise its HangError where it is (if it runs its own code)."""
@@ -558,64 +536,9 @@ class Watchdog:
 
 
 def _failed_report(held: TestDeadline, exc: BaseException) -> HangReport:
-    from .report.model import HangReport
+    """What is known when the fire itself failed (its cold path could not even be loaded)."""
+    from .hang.reports import failed_report
 
-    target = held.target
-    elapsed = clock.monotonic() - target.started
-    return HangReport(
-        test_id=target.test_id,
-        timeout_s=target.timeout_s,
-        elapsed_s=elapsed,
-        phase=target.phase,
-        headline=f"HANG after {elapsed:.1f}s in {target.test_id}: the stacks could not be taken",
-        notes=[f"pytest-torchhang's capture failed: {exc!r}; the tree was killed all the same"],
-    )
-
-
-def _duration(seconds: float) -> str:
-    """``12.0s``, or ``3m12s`` from a minute on."""
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, rest = divmod(round(seconds), 60)
-    return f"{minutes}m{rest:02d}s"
-
-
-_RATE_UNITS = ("batches/s", "optimizer steps/s", "collectives/s", "progress() calls/s")
-
-
-def _as_stall(report: HangReport, held: TestDeadline) -> None:
-    """Make the report a stall's: its headline says what progress looked like and when it stopped.
-
-    ``STALL after 3m12s in test_x: no progress for 30.0s (last: DataLoader batch 812 of epoch
-    3 at 2m42s; before that 6.1 batches/s and 3.0 optimizer steps/s)``
-    """
-    target = held.target
-    snapshot = held.board.snapshot() if held.board is not None else None
-    if snapshot is None or snapshot.kind < 0:
-        progress = "no progress at all since the test began"
-    else:
-        at = max(0.0, snapshot.last - target.started)
-        progress = f"last: {snapshot.describe_last()} at {_duration(at)}"
-        rates = [
-            f"{rate:.1f} {unit}"
-            for kind, unit in enumerate(_RATE_UNITS)
-            if (rate := snapshot.rate(kind)) is not None
-        ]
-        if rates:
-            progress += "; before that " + " and ".join(rates)
-    where = target.test_id + (f" (during {target.phase})" if target.phase != "call" else "")
-    silent = report.elapsed_s - (held.state.progress_at - target.started)
-    report.headline = (
-        f"STALL after {_duration(report.elapsed_s)} in {where}: no progress for "
-        f"{min(silent, report.elapsed_s):.1f}s ({progress})"
-    )
-    from .inject import beats
-
-    report.kind = "stall"
-    report.progress = {
-        "stall_s": held.state.stall_s,
-        "kinds": list(beats.KINDS),
-        "counts": snapshot.counts if snapshot is not None else [],
-        "last": progress,
-        "history": [{"t": round(t, 3), "counts": counts} for t, counts in held.samples],
-    }
+    # the fire may have failed before it made the capture's target: the model says the rest
+    target = replace(held.target, timeout_s=held.state.timeout_s, phase=held.phase_name)
+    return failed_report(target, exc)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_torchhang.capture import pipeline, procfs, waitgraph
+from pytest_torchhang.capture import procfs, waitgraph
+from pytest_torchhang.hang import path as hang_path
 
 _LOOKUP, _FORGET, _GETATTR, _OPEN, _READ, _INIT = 1, 2, 3, 14, 15, 26
 _NO_REPLY = {_FORGET, 36, 42}  # FORGET, INTERRUPT, BATCH_FORGET
@@ -150,7 +151,7 @@ def test_a_read_of_its_memory_is_abandoned_and_said_so(stuck_child: int) -> None
 def test_the_whole_capture_of_it_is_bounded_and_reports_what_it_could_not_read(
     stuck_child: int,
 ) -> None:
-    target = pipeline.CaptureTarget(
+    target = hang_path.CaptureTarget(
         test_id="t",
         timeout_s=1.0,
         root_pid=stuck_child,
@@ -159,7 +160,7 @@ def test_the_whole_capture_of_it_is_bounded_and_reports_what_it_could_not_read(
         root_in_process=False,
         capture_budget_s=1.0,
     )
-    report = procfs.call_with_timeout(20.0, pipeline.capture, target)
+    report = procfs.call_with_timeout(20.0, hang_path.capture, target)
     # bounded: the wait-for graph, facts and stacks within their budgets (the time left over
     # is pystack/py-spy's own bounded attempt at a Python process without the dump handler)
     assert report.capture_s < 10.0

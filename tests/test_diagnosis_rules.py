@@ -190,6 +190,7 @@ import threading
 import pytest
 
 from pytest_torchhang import HangError
+from pytest_torchhang.report.text import to_text
 
 
 def wait_for_ever():
@@ -199,7 +200,7 @@ def wait_for_ever():
 def test_a_child_hangs(torch_hang):
     with pytest.raises(HangError) as caught:
         torch_hang.run(wait_for_ever, timeout=2)
-    print(caught.value.report.to_text())
+    print(to_text(caught.value.report))
 """
 
 

@@ -20,8 +20,8 @@ from outcomes import assert_outcomes
 from pytest_torchhang.capture import kill, stacks, tree
 from pytest_torchhang.capture.tree import ProcessId
 from pytest_torchhang.inject import hook
-from pytest_torchhang.report import model as report_module
-from pytest_torchhang.report.model import MAX_TEXT_CHARS
+from pytest_torchhang.report import text as report_module
+from pytest_torchhang.report.text import MAX_TEXT_CHARS
 
 # Records how long each test's call took, so the outer test can tell a crash that ended at once
 # from one that sat until its deadline.

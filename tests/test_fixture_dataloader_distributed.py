@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from pytest_torchhang import ChildCrashed, HangError
+from pytest_torchhang.report.text import to_text
 
 
 class Squares(Dataset):
@@ -72,7 +73,7 @@ def test_dataset_error_is_raised_with_its_traceback(torch_hang):
 def test_worker_hang_reports_each_worker(torch_hang):
     with pytest.raises(HangError) as info:
         torch_hang.dataloader(Stuck(), batches=1, num_workers=2, timeout=2)
-    text = info.value.report.to_text()
+    text = to_text(info.value.report)
     assert "[DataLoader worker 0/2 (dataset Stuck)]" in text
     assert "[DataLoader worker 1/2 (dataset Stuck)]" in text
     assert "with _LOCK:" in text
@@ -107,6 +108,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pytest_torchhang import ChildCrashed, HangError
+from pytest_torchhang.report.text import to_text
 
 
 def ranks_sum(rank, world_size):
@@ -167,7 +169,7 @@ def test_first_failing_rank_is_named_and_waiting_ranks_shown(torch_hang):
 def test_collective_mismatch_hang_shows_every_rank(torch_hang):
     with pytest.raises(HangError) as info:
         torch_hang.distributed(mismatch, world_size=2, timeout=3)
-    text = info.value.report.to_text()
+    text = to_text(info.value.report)
     assert "ranks wait in different collectives (rank 0/2 in all_reduce, rank 1/2 in barrier)" in text
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from pytest_torchhang import ChildCrashed, HangError
+from pytest_torchhang.report.text import to_text
 
 
 def add(a, b=0):
@@ -84,7 +85,7 @@ def test_a_hang_is_a_hang_error_with_the_stuck_frame(torch_hang):
     with pytest.raises(HangError) as info:
         torch_hang.run(wait_forever, timeout=1)
     assert time.monotonic() - started < 20  # wide: well below the test's own 60s deadline
-    text = info.value.report.to_text()
+    text = to_text(info.value.report)
     assert "HANG after 1." in text and "torch_hang.run(wait_forever)" in text
     assert "in wait_forever" in text and "threading.Event().wait()" in text
     assert "cleanup: killed 1 process" in text

@@ -1,7 +1,8 @@
-"""One hang, one pipeline: snapshot -> capture -> diagnose -> report -> kill.
+"""One capture's reads of the world: the tree, facts before any signal, stacks, waits, stated
+roles, stderr tails and the plugin's own notes.
 
-Used in the pytest process by the watchdog, by the monitor process when the pytest process itself
-cannot move, and by the subprocess runner for its children.
+It diagnoses nothing and kills nothing: ``hang/path.py`` runs these steps in order, with the
+diagnosis between them, and then the kill (``kill.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from dataclasses import dataclass
 import psutil
 
 from .. import clock
-from ..diagnosis import engine
-from ..diagnosis.roles import BUSY_CPU_S
 from ..inject.protocol import (
     NOTES_SUFFIX,
     STDERR_SUFFIX,
@@ -26,14 +25,20 @@ from ..inject.protocol import (
     role_path,
     stderr_path,
 )
-from ..report.model import HangReport, ProcessReport, Role, StderrTail, ThreadStack
+from ..report.model import (
+    BUSY_CPU_S,
+    CONTEXT_ROLE,
+    ProcessReport,
+    Role,
+    StderrTail,
+    ThreadStack,
+)
 from . import aio, attach, collectives, procfs, signals, waitgraph
-from .kill import KillResult, kill_tree, remove_leftovers
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
 from .tree import ProcessId, helper_kind, is_zombie, split_descendants
 
-__all__ = ["CaptureTarget", "HangReport", "capture", "kill", "tree"]
+__all__ = ["CaptureTarget", "Gathered", "gather", "tree"]
 from .stacks import (
     Dump,
     in_process_threads,
@@ -43,12 +48,9 @@ from .stacks import (
 )
 
 #: How processes that the hung test did not start are shown: never signalled, never killed.
-CONTEXT_ROLE = "started before this test"
 CONTEXT_STATUS = (
     "context only: it was running before this test began, so it is neither signalled nor killed"
 )
-#: How the workers of a pool that a wider fixture owns are shown: with their stacks, never killed.
-KEPT_ROLE = "fixture-owned worker"
 #: Environment variables read from each process (roles of ranks).
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_HANG_BACKEND")
 
@@ -184,8 +186,22 @@ def _roles(dump_dir: str | None, pids: list[int]) -> dict[int, str]:
     return roles
 
 
-def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> HangReport:
-    """Snapshot the tree and take every process's stacks; kills nothing."""
+@dataclass
+class Gathered:
+    """What one capture read of a tree before any diagnosis: the hang's path reads on from here."""
+
+    t0: float  # clock time the capture began
+    elapsed: float  # since the target began, when the hang was declared
+    reports: list[ProcessReport]  # the tree's processes, roles as they stated them
+    context: list[psutil.Process]  # processes that were there before the target began
+    env: dict[int, dict[str, str]]  # environment variables that name ranks, by pid
+    notes: list[str]
+    reader: procfs.ProcReader  # the capture's bounded reader, and its notes
+    now: float  # wall time the facts were read
+
+
+def gather(target: CaptureTarget, skip_threads: set[int] | None = None) -> Gathered:
+    """Snapshot the tree and take every process's facts, stacks and waits; kills nothing."""
     t0 = clock.monotonic()
     elapsed = t0 - target.started  # when the hang was declared, whatever the capture costs
     # Every read of /proc that can block (a process in state D) is bounded, and all of them by
@@ -212,27 +228,9 @@ def capture(target: CaptureTarget, skip_threads: set[int] | None = None) -> Hang
     )
     env = {p.pid: _environ(reader, p.pid) for p in procs if p.pid != target.root_pid}
     notes = _add_waits(target, reports, seen.evidence, t0)
-    _label(target, reports, env)
+    _stated_roles(target, reports)
     notes += _dump_notes(dumps) + aio_notes
-    if target.native:
-        notes += _add_native(target, reports)
-    else:
-        _read_from_outside(reports)
-    began = clock.wall() - (clock.monotonic() - target.started)
-    # Before the diagnosis, which may read them: a traceback there often says the cause.
-    fill_stderr_tails(target.dump_dir, reports, began)
-    gone = gone_stderr_tails(target.dump_dir, {r.pid for r in reports}, began)
-    reports, kept = _set_apart(target, reports)
-    report = _explain(target, elapsed, reports, notes)
-    report.processes += kept
-    report.gone_stderr = gone
-    context_facts = _context_facts(context, seen.now, reader)
-    fill_stderr_tails(target.dump_dir, context_facts, began)
-    report.processes += context_facts
-    report.notes += reader.notes()
-    report.notes += child_notes(target.dump_dir, report.processes, began)
-    report.capture_s = clock.monotonic() - t0
-    return report
+    return Gathered(t0, elapsed, reports, context, env, notes, reader, seen.now)
 
 
 #: A process that used less CPU than this during the capture, and sleeps at its end, is sampled
@@ -361,39 +359,11 @@ def _add_waits(
     return notes + collectives.add_rank_facts(reports, answers)
 
 
-def _label(
-    target: CaptureTarget, reports: list[ProcessReport], env: dict[int, dict[str, str]]
-) -> None:
-    """Roles: what a process said it is, else what its facts and environment show."""
+def _stated_roles(target: CaptureTarget, reports: list[ProcessReport]) -> None:
+    """Roles as processes stated them (``PID.role``); the diagnosis labels the rest."""
     stated = _roles(target.dump_dir, [r.pid for r in reports])
     for report in reports:
         report.role = stated.get(report.pid, report.role)
-    engine.label_roles(reports, target.root_pid, env, target.root_role)
-
-
-def _explain(
-    target: CaptureTarget, elapsed: float, reports: list[ProcessReport], notes: list[str]
-) -> HangReport:
-    """The report: the headline and the hints the diagnosis reads from the processes."""
-    hints = engine.hints(reports)
-    return HangReport(
-        test_id=target.test_id,
-        timeout_s=target.timeout_s,
-        elapsed_s=elapsed,
-        phase=target.phase,
-        headline=engine.headline(
-            target.test_id + (f" (during {target.phase})" if target.phase != "call" else ""),
-            elapsed,
-            reports,
-            target.root_pid,
-            hints,
-        ),
-        hints=hints,
-        processes=reports,
-        notes=notes,
-        cause=engine.cause(hints, reports, target.root_pid),
-        culprits=engine.culprits(reports, target.root_pid, hints),
-    )
 
 
 def _dump_notes(dumps: dict[int, Dump]) -> list[str]:
@@ -510,23 +480,7 @@ def gone_stderr_tails(dump_dir: str | None, known: set[int], since: float) -> li
     return sorted((tail for _, tail in found[:MAX_GONE_STDERR]), key=lambda t: t.pid)
 
 
-def _set_apart(
-    target: CaptureTarget, reports: list[ProcessReport]
-) -> tuple[list[ProcessReport], list[ProcessReport]]:
-    """(the test's, the kept): the workers of a wider fixture's pool (``target.spare``) are
-    shown with their stacks for context, as what the test did not start is, and left out of
-    the diagnosis, which judges the test's own processes."""
-    if not target.spare:
-        return reports, []
-    pids = {pid for pid, _ in target.spare}
-    kept = [r for r in reports if r.pid in pids]
-    for report in kept:
-        report.role = f"{KEPT_ROLE} ({report.role})" if report.role else KEPT_ROLE
-        report.role_facts = Role.parse(report.role)
-    return [r for r in reports if r.pid not in pids], kept
-
-
-def _context_facts(
+def context_facts(
     context: list[psutil.Process], now: float, reader: procfs.ProcReader
 ) -> list[ProcessReport]:
     """Facts (never stacks: no signal is sent) of processes that were there before the test."""
@@ -548,20 +502,7 @@ def _capture_tids(skip_threads: set[int] | None) -> set[int]:
     return skip
 
 
-def _add_native(target: CaptureTarget, reports: list[ProcessReport]) -> list[str]:
-    # A process cannot ptrace itself: the pytest process's own stacks stay Python-only.
-    me = os.getpid()
-    candidates = [r for r in reports if r.pid != me and r.state not in ("zombie", "gone")]
-    candidates.sort(key=lambda r: (r.role.startswith(engine.HELPER_ROLES), r.pid))
-    result = native_stacks(
-        [r.pid for r in candidates], {r.pid for r in candidates if r.role.startswith("rank ")}
-    )
-    for report in reports:
-        report.native = result.stacks.get(report.pid, "")
-    return [result.note] if result.note else []
-
-
-def _read_from_outside(reports: list[ProcessReport]) -> None:
+def read_from_outside(reports: list[ProcessReport]) -> None:
     """Python processes without the dump handler: read their stacks with pystack or py-spy,
     when one is installed (silently skipped otherwise: nobody asked for it)."""
     silent = [
@@ -577,51 +518,3 @@ def _read_from_outside(reports: list[ProcessReport]) -> None:
         if report.pid in result.stacks:
             report.native = result.stacks[report.pid]
             report.dump_status += "; its Python stack below was read from outside (pystack/py-spy)"
-
-
-def kill(target: CaptureTarget, report: HangReport | None = None) -> KillResult:
-    """Kill the tree (identity-checked), reap, remove its /dev/shm leftovers; note it in ``report``."""
-    started = clock.monotonic()
-    if target.roots is None:
-        kept = target.before or frozenset()
-        result = kill_tree(
-            target.root_pid,
-            exclude=target.exclude,
-            include_root=target.kill_root,
-            before=kept | target.spare if target.spare else target.before,
-        )
-        if target.spare and report is not None:
-            report.notes.append(target.spare_note)
-    else:
-        result = KillResult()
-        for root in target.roots:
-            _add_kill(result, target, root)
-    for root in target.extra_roots:
-        _add_kill(result, target, root)
-    result.shm_removed = _remove_leftovers(target, result)
-    if report is not None:
-        report.killed = [p.pid for p in result.killed]
-        report.spared = [p.pid for p in result.spared]
-        report.survivors = [p.pid for p in result.survivors]
-        report.shm_removed = result.shm_removed
-        report.kill_s = clock.monotonic() - started
-    return result
-
-
-def _remove_leftovers(target: CaptureTarget, result: KillResult) -> list[str]:
-    """/dev/shm segments and temp-dir listeners that the killed processes made or held."""
-    root_lives = target.roots is not None or not target.kill_root
-    # shm_since 0: a fixture call's children, whose leftovers count from the oldest one's start
-    return remove_leftovers(
-        result, target.shm_since or None, [target.root_pid] if root_lives else []
-    )
-
-
-def _add_kill(result: KillResult, target: CaptureTarget, root: int) -> None:
-    """Kill ``root`` and its tree (runner children: the root too, and its helpers) into ``result``."""
-    part = kill_tree(root, exclude=target.exclude, include_root=True, spare_root_helpers=False)
-    result.killed += part.killed
-    result.spared += part.spared
-    result.survivors += part.survivors
-    result.reaped.update(part.reaped)
-    result.held += part.held

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from ..report.model import SPAWNED, TORCHRUN, ProcessReport, Role
+from ..report.model import (
+    BUSY_CPU_S,
+    HELPER_KINDS,
+    SPAWNED,
+    TORCHRUN,
+    ProcessReport,
+    Role,
+)
+from ..report.model import (
+    MANAGER_SERVER as MANAGER_KIND,
+)
 from .frames import (
     all_frames,
     enclosing_class,
@@ -15,12 +25,12 @@ from .frames import (
 )
 
 #: Roles of processes that wait by design: they name the hang only when nothing else does.
-HELPER_ROLES = ("Manager server", "resource_tracker", "forkserver", "torch_shm_manager", "zygote")
+HELPER_ROLES = HELPER_KINDS
 WORKER = "DataLoader worker"
 RANK = "rank"
 PYTEST = "pytest"
 POOL_WORKER = Role("Pool worker")
-MANAGER_SERVER = Role("Manager server")
+MANAGER_SERVER = Role(MANAGER_KIND)
 EXITED = Role("exited child")  # a zombie: no stack, no environment, no command line
 TORCHRUN_AGENT = Role("torchrun agent")  # torch.distributed.run's elastic agent
 
@@ -203,10 +213,6 @@ def _from_stacks(proc: ProcessReport) -> Role:
             else Role("multiprocessing child")
         )
     return Role("Python child") if proc.dump_status == "ok" else Role("child process")
-
-
-#: CPU time used during the capture from which a process counts as computing rather than waiting.
-BUSY_CPU_S = 0.02
 
 
 def is_busy(proc: ProcessReport) -> bool:

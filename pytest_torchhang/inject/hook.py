@@ -136,7 +136,7 @@ def keep_stderr_tail() -> bool:
     if isinstance(stream, StderrTail):
         stream._torchhang_dir = dump_dir
         return True
-    sys.stderr = StderrTail(stream, dump_dir)
+    sys.stderr = StderrTail(stream, dump_dir, child_note)
     return True
 
 

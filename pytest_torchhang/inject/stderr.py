@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TextIO
 
 from .protocol import STDERR_HEADER, STDERR_KEEP_BYTES, STDERR_MAP_BYTES, stderr_path
@@ -41,9 +41,13 @@ class StderrTail:
     ``sys.stderr.buffer`` or to fd 2 directly are not seen.
     """
 
-    def __init__(self, stream: TextIO, dump_dir: str) -> None:
+    def __init__(
+        self, stream: TextIO, dump_dir: str, note: Callable[[str], None] | None = None
+    ) -> None:
         self._torchhang_stream = stream
         self._torchhang_dir = dump_dir
+        #: where a failure of the copy is said (``hook.child_note``, passed in: hook imports us)
+        self._torchhang_note = note
         #: This process's mapped file (None: not opened yet; ``_Off``: copying stopped)
         self._torchhang_map: Any = None
         self._torchhang_stamp: Any = None  # the header as a float64 view: the last write's time
@@ -95,12 +99,11 @@ class StderrTail:
             self._torchhang_close()
             self._torchhang_map = _Off
             self._torchhang_stamp = [0.0]
-            from .hook import child_note  # loaded: it made this copy (or a test did)
-
-            child_note(
-                f"pytest-torchhang stopped keeping the stderr lines of pid {os.getpid()} "
-                f"(the report will not show them): {type(exc).__name__}: {exc}"
-            )
+            if self._torchhang_note is not None:
+                self._torchhang_note(
+                    f"pytest-torchhang stopped keeping the stderr lines of pid {os.getpid()} "
+                    f"(the report will not show them): {type(exc).__name__}: {exc}"
+                )
 
     def _torchhang_open(self) -> None:
         """Map this process's own file, emptied (an earlier process may have had this pid)."""

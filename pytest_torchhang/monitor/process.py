@@ -50,9 +50,11 @@ def _take_over(
     # The session's end must not cut the last-resort report short (stop() kills after a grace)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     site.main()  # started with -S (a fast start): the capture needs site-packages (psutil)
-    from ..capture.pipeline import CaptureTarget, capture, kill
     from ..capture.procfs import call_with_timeout
-    from ..report.model import HangReport, Hint
+    from ..hang.path import CaptureTarget, capture, kill
+    from ..hang.reports import last_resort_failed
+    from ..report.model import Hint
+    from ..report.text import to_text
 
     deadline, timeout, before, test_id = armed
     target = CaptureTarget(
@@ -61,7 +63,7 @@ def _take_over(
         root_pid=pytest_pid,
         dump_dir=dump_dir,
         started=deadline - timeout,
-        exclude={os.getpid()},
+        exclude=frozenset({os.getpid()}),
         root_in_process=False,
         kill_root=not spare_root,
         # When the whole session goes down, its fixtures' processes go with it; a host program
@@ -71,14 +73,7 @@ def _take_over(
     try:  # every step of a capture is bounded; their sum must be too, or the kill never comes
         report = call_with_timeout(target.capture_budget_s + CAPTURE_EXTRA_S, capture, target)
     except Exception as exc:
-        report = HangReport(
-            test_id=test_id,
-            timeout_s=timeout,
-            elapsed_s=clock.monotonic() - target.started,
-            phase="call",
-            headline=f"HANG in {test_id}: the stacks could not be taken",
-            notes=[f"pytest-torchhang's last-resort capture failed: {exc}"],
-        )
+        report = last_resort_failed(target, exc)
     ending = (
         "pytest runs in a thread of a host program here, which pytest-torchhang never kills: the "
         "test's processes are killed, and the test stays blocked until that call returns"
@@ -92,12 +87,12 @@ def _take_over(
         Hint(evidence.sentence(seen, thread, call, ending), [f"pytest (pid {pytest_pid})"]),
     )
     banner = "!" * 30 + " pytest-torchhang: session stopped " + "!" * 30
-    text = report.to_text().rsplit("\ncleanup:", 1)[0]  # printed before the kill: no cleanup yet
+    text = to_text(report).rsplit("\ncleanup:", 1)[0]  # printed before the kill: no cleanup yet
     victims = "the test's processes" if spare_root else "the whole tree, pytest included"
     sys.stderr.write(f"\n{banner}\n{text}\nkilling {victims}\n")
     sys.stderr.flush()  # before the kill: whoever waits for pytest reads this when it returns
     kill(target, report)
-    sys.stderr.write(report.to_text().rsplit("\n", 1)[-1] + "\n")
+    sys.stderr.write(to_text(report).rsplit("\n", 1)[-1] + "\n")
     sys.stderr.flush()
     if not spare_root:
         shutil.rmtree(dump_dir, ignore_errors=True)  # pytest, which would have removed it, is gone

@@ -14,19 +14,22 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from ..inject.protocol import PLUGIN_THREAD_NAMES
-from .model import Collective, Frame, ProcessReport, TaskWait, ThreadStack
+from .model import (
+    ASIDE_ROLES,
+    HELPER_KINDS,
+    MANAGER_SERVER,
+    Collective,
+    Frame,
+    ProcessReport,
+    TaskWait,
+    ThreadStack,
+)
 from .waits import LISTENING
 
 #: Roles of processes that wait by design (helpers) or that the test did not start (context):
-#: they come last, whatever their stacks.
-HELPERS = (
-    "resource_tracker",
-    "forkserver",
-    "torch_shm_manager",
-    "zygote",
-    "started before",
-    "fixture-owned worker",
-)
+#: they come last, whatever their stacks. A Manager server is not among them: it is ordered by
+#: its stacks, as the test's own processes are (a server blocked serving a call is a culprit).
+HELPERS = (*(kind for kind in HELPER_KINDS if kind != MANAGER_SERVER), *ASIDE_ROLES)
 #: The placeholder frames of cut stacks (pytest's own, the plugin's, multiprocessing's start-up).
 STARTUP_CUT = "<multiprocessing>"
 _PLACEHOLDERS = ("<pytest>", "<pytest-torchhang>", STARTUP_CUT)

@@ -11,6 +11,7 @@ from typing import Protocol
 import pytest
 
 from .model import HangReport
+from .text import to_text
 
 HANG_PROPERTY = "torch_hang"
 HEADLINE_PROPERTY = "torch_hang_headline"
@@ -104,7 +105,7 @@ def mark_hang(
         properties.append((CAUSE_PROPERTY, hang.cause))
     if json_path:
         properties.append(("torch_hang_report", json_path))
-    longrepr = HangLongRepr(hang.headline, hang.to_text(), path, (lineno or 0) + 1)
+    longrepr = HangLongRepr(hang.headline, to_text(hang), path, (lineno or 0) + 1)
     # typed as the private TerminalRepr in pytest; any object with toterminal() is read as one
     report.longrepr = longrepr  # type: ignore[assignment]
     report.user_properties.extend(properties)

@@ -10,17 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-from .model import HangReport
-
-#: Roles that wait by design, and processes the test did not start: never part of a signature.
-NOT_STUCK = (
-    "started before this test",
-    "fixture-owned worker",
-    "resource_tracker",
-    "forkserver",
-    "torch_shm_manager",
-    "Manager server",
-)
+from .model import HangReport, aside_role, helper_role
 
 #: What differs between machines and runs of one hang: addresses, absolute paths, pids.
 _UNSTABLE = [
@@ -40,12 +30,15 @@ def signature(hang: HangReport) -> str:
     """The set of (role, stuck frame) pairs of the hang's processes, as one stable string.
 
     Equal for the same hang on any machine: no pid, address or absolute path stays in it, so
-    ``merge-hunts`` can count one hang across the jobs of a CI matrix.
+    ``merge-hunts`` can count one hang across the jobs of a CI matrix. Helpers (which wait by
+    design) and processes shown for context (not the test's own) are left out.
     """
     pairs = {
         _stable(f"{p.role_data().general()} in {p.stuck_at}")
         for p in hang.processes
-        if p.stuck_at and not p.role.startswith(NOT_STUCK) and p.state not in ("zombie", "gone")
+        if p.stuck_at
+        and not (aside_role(p.role) or helper_role(p.role))
+        and p.state not in ("zombie", "gone")
     }
     return "; ".join(sorted(pairs)) or "no stuck frame"
 

@@ -1,7 +1,7 @@
 """Pictures of one hang: its wait-for graph as Mermaid or Graphviz, and the Markdown CI section.
 
 One model, several views: every function here reads a :class:`HangReport` (live, or rebuilt
-from its JSON) and renders it; the text view is :meth:`HangReport.to_text` itself.
+from its JSON) and renders it; the text view is ``report/text.py``'s ``to_text``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .groups import HELPERS
 from .model import HangReport, ProcessReport, TaskWait, WaitEdge
+from .text import to_text
 
 #: Identical processes (same role but for its number, parent, stuck frame and waits) are drawn
 #: as one box from this many on: `DataLoader worker 0-7/8`.
@@ -433,7 +434,7 @@ def to_markdown(hang: HangReport) -> str:
     if hang.hints or hang.notes:
         out.append("")
     out += [_fenced(to_mermaid(hang), "mermaid"), ""]
-    text = hang.to_text()
+    text = to_text(hang)
     if len(text) > MAX_SUMMARY_TEXT:
         cut = text.rfind("\n", 0, MAX_SUMMARY_TEXT)
         text = text[:cut] + (
@@ -470,7 +471,7 @@ def append_job_summary(path: str, hang: HangReport) -> str | None:
 
 
 FORMATS = {
-    "text": HangReport.to_text,
+    "text": to_text,
     "markdown": to_markdown,
     "mermaid": to_mermaid,
     "dot": to_dot,

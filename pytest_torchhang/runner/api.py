@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from .. import clock, devices, settings
 from ..exceptions import add_note
+from ..report.text import to_text
 from . import client, jobs
 from .child import LINGER_ENV
 from .jobs import LoaderStats
@@ -358,7 +359,7 @@ class TorchHang:
         if waiting:
             call.capturing(hung=False)  # the rank's own error is raised, not a HangError
             report = client.hang_report(the_runner, waiting, label, seconds, self._native)
-            note += "\nstacks of the ranks still running (then killed):\n" + report.to_text()
+            note += "\nstacks of the ranks still running (then killed):\n" + to_text(report)
         client.stop(the_runner, ranks)
         self._relay(the_runner, ranks)
         try:

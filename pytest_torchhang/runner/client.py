@@ -27,12 +27,15 @@ from typing import Any, ClassVar
 import psutil
 
 from .. import clock, processwide
-from ..capture import pipeline
+from ..capture.target import CaptureTarget
 from ..capture.tree import ProcessId, same_process
 from ..exceptions import ChildCrashed, HangError, RemoteTraceback, add_note
+from ..hang import path as hang_path
 from ..inject import hook
 from ..inject.protocol import DUMP_DIR_ENV, STRESS_ENV
 from ..processwide import end_helper
+from ..report.model import HangReport
+from ..report.text import to_text
 from .child import Outcome
 
 START_METHODS = ("zygote", "spawn", "forkserver")
@@ -444,16 +447,23 @@ def wait(runner: Runner, children: list[Child], timeout: float, *, stop_on_error
 
 
 def _target(
-    runner: Runner, live: list[Child], label: str, timeout: float, native: bool
-) -> pipeline.CaptureTarget:
-    """The trees of ``live`` children, roots included, never the runner's own zygote."""
-    return pipeline.CaptureTarget(
+    runner: Runner,
+    live: list[Child],
+    label: str,
+    timeout: float,
+    native: bool,
+    started: float | None = None,
+) -> CaptureTarget:
+    """The trees of ``live`` children, roots included, never the runner's own zygote; the
+    call began at ``started`` (clock time; now when None)."""
+    return CaptureTarget(
         test_id=label,
         timeout_s=timeout,
         root_pid=os.getpid(),
         dump_dir=runner.dump_dir,
+        started=clock.monotonic() if started is None else started,
         roots=[c.pid for c in live],
-        exclude=runner.helper_pids(),
+        exclude=frozenset(runner.helper_pids()),
         root_in_process=False,
         kill_root=True,
         root_role="",
@@ -463,13 +473,11 @@ def _target(
 
 def hang_report(
     runner: Runner, children: list[Child], label: str, timeout: float, native: bool = False
-) -> pipeline.HangReport:
+) -> HangReport:
     """Capture and kill the trees of ``children`` that still run; the report says where they were."""
     live = [c for c in children if runner.is_running(c)]
-    target = _target(runner, live, label, timeout, native)
-    target.started = min(c.started for c in children)
-    report = pipeline.capture(target)
-    pipeline.kill(target, report)
+    started = min(c.started for c in children)
+    report = hang_path.capture_and_kill(_target(runner, live, label, timeout, native, started))
     _reap(runner, live)
     return report
 
@@ -479,7 +487,7 @@ def stop(runner: Runner, children: list[Child]) -> None:
     live = [c for c in children if runner.is_running(c)]
     if not live:
         return
-    pipeline.kill(_target(runner, live, "", 0.0, False))
+    hang_path.kill(_target(runner, live, "", 0.0, False))
     _reap(runner, live)
 
 
@@ -522,5 +530,5 @@ def raise_outcome(runner: Runner, child: Child) -> Any:
     )
 
 
-def raise_hang(report: pipeline.HangReport) -> None:
-    raise HangError(report.to_text(), report)
+def raise_hang(report: HangReport) -> None:
+    raise HangError(to_text(report), report)

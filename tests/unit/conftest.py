@@ -60,7 +60,7 @@ class Replay:
     def diagnosed(report: HangReport) -> list[ProcessReport]:
         """The processes the capture diagnosed: the test's own, not the context facts of
         processes that existed before the test (added to the report after the diagnosis)."""
-        from pytest_torchhang.capture.pipeline import CONTEXT_ROLE
+        from pytest_torchhang.report.model import CONTEXT_ROLE
 
         return [p for p in report.processes if not p.role.startswith(CONTEXT_ROLE)]
 

@@ -192,9 +192,8 @@ def first_reports(reports: Path) -> dict[str, Path]:
 
 def read_by_diagnosis(docs: list[dict[str, Any]]) -> set[str]:
     """The source files the diagnosis reads (through linecache) when it runs on ``docs``."""
-    from pytest_torchhang.capture.pipeline import CONTEXT_ROLE
     from pytest_torchhang.diagnosis import engine, frames
-    from pytest_torchhang.report.model import HangReport
+    from pytest_torchhang.report.model import CONTEXT_ROLE, HangReport
 
     read: set[str] = set()
     real = linecache.updatecache

@@ -23,7 +23,8 @@ from pytest_torchhang.capture import aio
 from pytest_torchhang.diagnosis import engine, frames
 from pytest_torchhang.diagnosis.rules.aio import hint_asyncio
 from pytest_torchhang.inject import hook
-from pytest_torchhang.report.model import HangReport, ProcessReport, _loop_lines
+from pytest_torchhang.report.model import HangReport, ProcessReport
+from pytest_torchhang.report.text import _loop_lines, to_text
 
 DATA = Path(__file__).parent / "data" / "asyncio"
 RECORDED = sorted(DATA.glob("test_*.json"))
@@ -381,7 +382,7 @@ def test_a_recorded_report_with_tasks_survives_the_round_trip(path: Path) -> Non
     report = HangReport.from_json(doc)
     assert report.to_json() == doc
     again = HangReport.from_json(json.loads(json.dumps(report.to_json())))
-    assert again == report and again.to_text() == report.to_text()
+    assert again == report and to_text(again) == to_text(report)
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
@@ -406,7 +407,7 @@ def test_an_event_nobody_can_set_is_said_so_and_the_generic_select_hint_stays_si
         "test_event.py:9 (the event is not set); nothing in the process will set it." in hint.text
     )
     assert report.headline.endswith("stuck in Event.wait() (asyncio task 'Task-1')")
-    text = report.to_text()
+    text = to_text(report)
     assert "    asyncio loop in main thread " in text
     assert "      task 'Task-1' (test_awaits_an_event_nobody_sets) awaits Event.wait()" in text
 

@@ -361,6 +361,7 @@ def test_a_child_blocked_in_its_import_is_not_told_it_is_still_starting(
     from pytest_torchhang.diagnosis import engine
     from pytest_torchhang.diagnosis.frames import importing, stuck_at
     from pytest_torchhang.diagnosis.roles import making_progress
+    from pytest_torchhang.report.text import to_text
 
     (path,) = [p for p in RECORDED if p.stem == name]
     report = replay.load(path)
@@ -370,7 +371,7 @@ def test_a_child_blocked_in_its_import_is_not_told_it_is_still_starting(
     assert stuck_at(child) == f"while spawn re-imports {BLOCKED_AT_IMPORT[name]}"
     hints = replay.hints(report)
     assert [h.rule for h in hints] == ["deadlock"]
-    for text in [h.text for h in hints] + [report.to_text()]:
+    for text in [h.text for h in hints] + [to_text(report)]:
         assert "still starting" not in text and "Raise the timeout" not in text
     (hint,) = hints
     assert "fcntl.flock(" in hint.text and child.pid in hint.pids

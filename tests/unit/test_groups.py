@@ -14,6 +14,7 @@ import pytest
 from pytest_torchhang.diagnosis import engine
 from pytest_torchhang.report import groups, model
 from pytest_torchhang.report.model import Frame, HangReport
+from pytest_torchhang.report.text import _process_text, to_text
 
 HERE = Path(__file__).parent
 
@@ -81,7 +82,7 @@ def test_the_outlier_comes_first_then_pytest_then_the_crowd_folded_with_its_pids
 
 def test_the_text_shows_the_odd_one_first_and_the_idle_three_once() -> None:
     hang = recorded("dataloader_one_stuck_of_four")
-    text = hang.to_text()
+    text = to_text(hang)
     (stuck,) = [p for p in hang.processes if "OneSlowIndex" in p.role]
     shown = blocks(text)
     assert len(shown) == 3 and shown[0].startswith(f"--- process {stuck.pid} ")
@@ -102,13 +103,13 @@ def test_the_text_shows_the_odd_one_first_and_the_idle_three_once() -> None:
 def test_sixty_four_identical_workers_are_one_block_with_every_pid_named() -> None:
     hang = recorded("dataloader_64_workers")
     assert headline(hang).endswith("65 processes, 64 stuck in DataLoader worker __getitem__")
-    text = hang.to_text()
+    text = to_text(hang)
     assert len(blocks(text)) == 2  # pytest, and the 64 workers once
     same = next(line for line in text.splitlines() if "the same stacks, shown once:" in line)
     workers = [p.pid for p in hang.processes if p.role.startswith("DataLoader worker")]
     assert all(str(pid) in same for pid in workers[1:])
     assert "and 55 more (pids " in same
-    every_block = sum(len("\n".join(model._process_text(p))) for p in hang.processes)
+    every_block = sum(len("\n".join(_process_text(p))) for p in hang.processes)
     shown = text[text.index("--- process ") : text.index("\ncleanup: ")]
     assert len(shown) < every_block / 8, (len(shown), every_block)  # not 64 blocks of stacks
 
@@ -117,7 +118,7 @@ def test_two_identical_workers_are_counted_together_with_no_odd_one_named() -> N
     hang = recorded("dataloader_two_workers")
     assert headline(hang).endswith("3 processes, 2 stuck in DataLoader worker __getitem__")
     assert engine.odd_one_out(hang.processes, root_pid(hang)) is None
-    assert len(blocks(hang.to_text())) == 2
+    assert len(blocks(to_text(hang))) == 2
 
 
 def test_ranks_in_different_collectives_stay_apart_and_name_their_process_group() -> None:
@@ -127,7 +128,7 @@ def test_ranks_in_different_collectives_stay_apart_and_name_their_process_group(
         "#2 all_reduce([1024]) on process group 'default_pg'",
         "#2 barrier on process group 'default_pg'",
     ]
-    text = hang.to_text()
+    text = to_text(hang)
     assert "        #2 barrier on process group 'default_pg' NOT COMPLETED" in text
     assert engine.odd_one_out(hang.processes, root_pid(hang)) is None  # one against one
 
@@ -144,7 +145,7 @@ def test_every_recorded_process_is_in_exactly_one_group_and_one_block(path: Path
     assert sorted(p.pid for g in found for p in g.processes) == sorted(
         p.pid for p in hang.processes
     )
-    text = hang.to_text()
+    text = to_text(hang)
     for proc in hang.processes:
         assert str(proc.pid) in text
 
@@ -380,7 +381,7 @@ def test_three_workers_deadlocked_in_getitem_are_the_story_not_the_idle_fourth()
     stuck = [p.pid for p in hang.processes if "MostIndicesDeadlock" in p.role]
     assert sorted(engine.culprits(hang.processes, root_pid(hang))) == sorted(stuck)
     # the text still folds the three into one block
-    assert len(blocks(hang.to_text())) == 3
+    assert len(blocks(to_text(hang))) == 3
 
 
 def test_two_programs_with_the_same_frames_stay_apart_and_spawn_handles_do_not_matter() -> None:
@@ -405,10 +406,10 @@ def test_the_processes_the_headline_names_come_first_in_the_text() -> None:
     # the capture stores the headline's processes: the deadlocked three lead, not the idle one
     hang = recorded("dataloader_three_stuck_one_idle")
     hang.culprits = engine.culprits(hang.processes, root_pid(hang))
-    first = blocks(hang.to_text())[0]
+    first = blocks(to_text(hang))[0]
     assert "(dataset MostIndicesDeadlock)" in first, first
     again = HangReport.from_json(json.loads(json.dumps(hang.to_json())))
-    assert again.culprits == hang.culprits and again.to_text() == hang.to_text()
+    assert again.culprits == hang.culprits and to_text(again) == to_text(hang)
 
 
 # --- recorded hangs inside the start-up (tests/corpus/corpus_startup.py) ---
@@ -440,7 +441,7 @@ def test_a_child_blocked_while_spawn_re_imports_the_test_module_shows_every_fram
 
     hang = corpus(name)
     child = _child(hang)
-    block = _block(hang.to_text(), child.pid)
+    block = _block(to_text(hang), child.pid)
     # the module's blocking line, importlib, and spawn's frames that say it is spawn importing
     assert "fcntl.flock(_cache, fcntl.LOCK_SH)" in block
     assert "in _find_and_load" in block
@@ -459,7 +460,7 @@ def test_a_child_blocked_while_spawn_re_imports_the_test_module_shows_every_fram
 
 def test_a_pools_maintenance_thread_stuck_starting_a_worker_keeps_its_frames() -> None:
     hang = corpus("test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock")
-    text = _block(hang.to_text(), root_pid(hang))
+    text = _block(to_text(hang), root_pid(hang))
     handler = text[text.index(' (_handle_workers)" [Pool handler thread]') :]
     handler = handler[: handler.index("\n    thread ")]
     for frame in (
@@ -476,7 +477,7 @@ def test_a_pools_maintenance_thread_stuck_starting_a_worker_keeps_its_frames() -
 def test_a_pool_worker_forked_by_the_maintenance_thread_keeps_its_fork_history() -> None:
     hang = corpus("test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock")
     child = _child(hang)
-    block = _block(hang.to_text(), child.pid)
+    block = _block(to_text(hang), child.pid)
     # where it waits (its initializer, in the pool's worker), and who forked it, with what held
     for frame in (
         "_read_the_cache",
@@ -501,7 +502,7 @@ def test_a_scripts_spawned_child_shows_spawn_running_the_scripts_top_level_again
         "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock"
     )
     (child,) = [p for p in hang.processes if p.role.startswith("multiprocessing child")]
-    block = _block(hang.to_text(), child.pid)
+    block = _block(to_text(hang), child.pid)
     shown = re.findall(r", in (\S+)\n", block)
     assert shown == [
         "<module>",  # train.py, at its flock

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from pytest_torchhang.report.groups import is_plugin_thread as plugin_thread
-from pytest_torchhang.report.model import (
-    Frame,
-    ProcessReport,
-    ThreadStack,
-    _process_text,
-)
+from pytest_torchhang.report.model import Frame, ProcessReport, ThreadStack
+from pytest_torchhang.report.text import _process_text
 
 THREADING = "/usr/lib/python3.11/threading.py"
 BOOTSTRAP = [Frame(THREADING, 982, "run"), Frame(THREADING, 1002, "_bootstrap")]

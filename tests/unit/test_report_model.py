@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pytest_torchhang.report.model import SCHEMA_VERSION, SPAWNED, HangReport, Role
+from pytest_torchhang.report.text import to_text
 
 from .conftest import RECORDED, recorded_ids
 
@@ -42,7 +43,7 @@ def test_a_recorded_report_survives_the_round_trip(path: Path) -> None:
     again = HangReport.from_json(json.loads(json.dumps(report.to_json())))
     assert again == report
     assert again.to_json() == report.to_json()
-    assert again.to_text() == report.to_text()
+    assert to_text(again) == to_text(report)
 
 
 #: Facts of a process that documents written before them lack.

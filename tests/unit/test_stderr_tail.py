@@ -24,6 +24,7 @@ from pytest_torchhang.inject.hook import StderrTail
 from pytest_torchhang.inject.protocol import read_stderr_copy, stderr_path
 from pytest_torchhang.report.model import HangReport, ProcessReport
 from pytest_torchhang.report.model import StderrTail as GoneTail
+from pytest_torchhang.report.text import to_text
 
 
 def _tail(tmp_path: Path) -> tuple[io.StringIO, StderrTail]:
@@ -241,7 +242,7 @@ def test_the_report_shows_the_lines_under_the_process_and_keeps_them_in_json() -
     quiet = _process(8)
     report = HangReport("t.py::test", 1.0, 1.0, "call", headline="HANG", processes=[proc, quiet])
     report.gone_stderr = [GoneTail(9, ["RuntimeError: boom"])]
-    text = report.to_text()
+    text = to_text(report)
     assert (
         "    last stderr lines:\n"
         "        Traceback (most recent call last):\n"
@@ -256,4 +257,4 @@ def test_the_report_shows_the_lines_under_the_process_and_keeps_them_in_json() -
     assert again.processes[0].stderr_tail == proc.stderr_tail
     assert again.processes[1].stderr_tail == []
     assert again.gone_stderr == report.gone_stderr
-    assert again.to_text() == text
+    assert to_text(again) == text

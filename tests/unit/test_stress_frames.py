@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pytest_torchhang.report import groups
 from pytest_torchhang.report.model import Frame, HangReport, ThreadStack
+from pytest_torchhang.report.text import to_text
 
 STRESS = "/venv/lib/python3.11/site-packages/pytest_torchhang/inject/stress.py"
 
@@ -27,7 +28,7 @@ def recorded() -> HangReport:
 
 def test_the_text_shows_the_users_stacks_with_one_cut_line_where_stress_wrapped_a_call() -> None:
     report = recorded()
-    text = report.to_text()
+    text = to_text(report)
     assert "inject/stress.py" not in text
     assert text.count("... --torch-hang-hunt-stress frames cut") == 2  # the waiter, the joiner
     waiter = text[text.index('"Thread-2 (wait_until_done)"') :]

@@ -15,6 +15,7 @@ import pytest
 from pytest_torchhang import __main__ as cli
 from pytest_torchhang.report import views
 from pytest_torchhang.report.model import HangReport
+from pytest_torchhang.report.text import to_text
 
 from .mermaid_flowchart import MermaidError, mermaid_blocks, parse
 
@@ -168,7 +169,7 @@ def test_the_markdown_section_has_the_headline_hints_graph_and_the_full_text() -
     (block,) = mermaid_blocks(markdown)
     assert parse(block).edges
     folded = markdown.split("<details>", 1)[1]
-    assert f"```text\n{hang.to_text().rstrip()}\n```" in folded and "</details>" in folded
+    assert f"```text\n{to_text(hang).rstrip()}\n```" in folded and "</details>" in folded
 
 
 def test_hint_markup_is_escaped_outside_its_code_spans() -> None:
@@ -214,7 +215,7 @@ def test_show_renders_a_saved_report_in_each_format(
     out = capsys.readouterr().out
     hang = recorded("dataloader_two_workers")
     expected = {
-        "text": hang.to_text(),
+        "text": to_text(hang),
         "markdown": views.to_markdown(hang),
         "mermaid": views.to_mermaid(hang),
         "dot": views.to_dot(hang),
@@ -226,7 +227,7 @@ def test_show_prints_text_by_default_exactly_as_the_terminal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert cli.main(["show", str(saved(tmp_path, "pipe_cycle"))]) == 0
-    assert capsys.readouterr().out == recorded("pipe_cycle").to_text() + "\n"
+    assert capsys.readouterr().out == to_text(recorded("pipe_cycle")) + "\n"
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
