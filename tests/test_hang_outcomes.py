@@ -75,6 +75,10 @@ def test_a_hang_and_a_stall_have_their_own_counts_and_still_fail_the_session(
     assert hang_props["torch_hang_cause"] == doc["cause"]
     (child,) = doc["killed"]  # the one process the test started
     cause = next(h for h in doc["hints"] if h["text"] == doc["cause"])
+    # stable ids for dashboards: the cause's rule, and a signature without pids
+    assert hang_props["torch_hang_rule"] == cause["rule"] != "none"
+    signature = hang_props["torch_hang_signature"]
+    assert "test_hangs_joining_a_sleeping_child" in signature and str(child) not in signature
     assert child in cause["pids"]
     failures = [c for c in ET.parse(junit).iter("testcase") if c.find("failure") is not None]
     assert len(failures) == 3

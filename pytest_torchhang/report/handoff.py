@@ -10,6 +10,7 @@ from typing import Protocol
 
 import pytest
 
+from .hunts import signature
 from .model import HangReport
 from .text import to_text
 
@@ -19,6 +20,11 @@ HEADLINE_PROPERTY = "torch_hang_headline"
 KIND_PROPERTY = "torch_hang_kind"
 #: The headline's hint, when one matched: what JUnit readers and dashboards group hangs by.
 CAUSE_PROPERTY = "torch_hang_cause"
+#: Stable ids to group hangs by, across runs and machines (the cause's text names pids): the id
+#: of the rule whose hint is the cause ("none" when no rule named one), and the hang's signature
+#: (its processes' roles and stuck frames, as ``--torch-hang-hunt`` counts distinct hangs).
+RULE_PROPERTY = "torch_hang_rule"
+SIGNATURE_PROPERTY = "torch_hang_signature"
 #: The outcomes a hang report gets instead of "failed": (category, letter, word). The report
 #: stays failed (exit code 1, ``-x``, ``--maxfail``, ``--lf``, JUnit's <failure> count it);
 #: only the terminal's count and word are its own.
@@ -103,6 +109,8 @@ def mark_hang(
     ]
     if hang.cause:
         properties.append((CAUSE_PROPERTY, hang.cause))
+    properties.append((RULE_PROPERTY, cause_rule(hang)))
+    properties.append((SIGNATURE_PROPERTY, signature(hang)))
     if json_path:
         properties.append(("torch_hang_report", json_path))
     longrepr = HangLongRepr(hang.headline, to_text(hang), path, (lineno or 0) + 1)
@@ -113,6 +121,11 @@ def mark_hang(
     if report.when != "teardown":
         # JUnit XML writes the properties of the teardown report, a copy of the item's
         item.user_properties.extend(properties)
+
+
+def cause_rule(hang: HangReport) -> str:
+    """The id of the rule whose hint is the hang's cause; ``none`` when no rule named one."""
+    return next((h.rule for h in hang.hints if hang.cause and h.text == hang.cause), "none")
 
 
 def is_hang(report: pytest.TestReport | pytest.CollectReport) -> bool:
