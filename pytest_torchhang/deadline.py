@@ -438,6 +438,14 @@ def _delivered(state: State, now: float, why: str) -> State:
     )
 
 
+def with_running(state: State, running: bool) -> State:
+    """``state`` with the test's own code running or not, as the shell recorded it without an
+    event while nothing had fired (``PhaseStarted`` and ``PhaseEnded`` do the same, and tick):
+    only an interrupt depends on it, and only once a fire has begun, when the shell feeds the
+    phase events themselves. No clock moves and no wake changes."""
+    return state._replace(running=running)
+
+
 def monitor_due(state: State, wake: float) -> float | None:
     """The time by which the watchdog must have acted, for the monitor (the GIL backstop):
     ``wake`` while armed or in the grace, INF while paused, None while firing or fired (the
