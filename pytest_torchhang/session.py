@@ -90,11 +90,15 @@ class SessionState:
         """How long this process was stopped (Ctrl-Z) between two times, as the monitor saw."""
         return self.monitor.board.stopped_between(since, now) if self.monitor is not None else 0.0
 
-    def own_pids(self, start: bool = True) -> set[int]:
-        """The plugin's own processes: never part of a test's tree."""
+    def own_pids(self, start: bool = True, wait: bool = True) -> set[int]:
+        """The plugin's own processes: never part of a test's tree. ``wait``: for the monitor's
+        start in flight, if any (an arm does not: its monitor is excluded again at a fire)."""
         pids = self.subprocess_runner.helper_pids() if self.subprocess_runner is not None else set()
         if self.monitor is not None:
-            pid = self.monitor.ensure_started() if start else self.monitor.pid
+            if start:
+                pid: int | None = self.monitor.ensure_started()
+            else:
+                pid = self.monitor.settled_pid() if wait else self.monitor.pid
             if pid is not None:
                 pids.add(pid)
         return pids
@@ -113,7 +117,7 @@ class SessionState:
         self.monitor = MonitorClient(
             self.dump_dir, self.stderr_fd, self.settings.report_dir, spare_root=self.in_thread
         )
-        self.monitor.ensure_started()
+        self.monitor.start_soon()  # the session goes on meanwhile: nothing here waits for it
         self.watchdog = Watchdog(self.monitor, lambda: self.own_pids(start=False), self.notes)
         if self.in_thread:
             self.notes.append(
@@ -221,7 +225,7 @@ class SessionState:
             root_pid=os.getpid(),
             dump_dir=self.dump_dir,
             started=now,
-            exclude=self.own_pids(start=False),  # started at activation; restarted on demand
+            exclude=self.own_pids(start=False, wait=False),  # the monitor's again at a fire
             shm_since=clock.wall(),
             native=self.settings.native,
             before=self._open_context(),  # the rest of it is settled at a fire
