@@ -53,10 +53,10 @@ def test_a_passing_test_makes_one_decision_to_arm_one_to_disarm_and_one_page_wri
             decisions.append(type(event).__name__)
         return real_decide(state, event, now)
 
-    def write(board: DeadlineBoard, *args: object) -> None:
+    def write(board: DeadlineBoard, *args: object, **kwargs: object) -> None:
         if threading.current_thread() is me:
             writes.append("page")
-        real_write(board, *args)  # type: ignore[arg-type]
+        real_write(board, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(deadline, "decide", decide)
     monkeypatch.setattr(DeadlineBoard, "_write", write)
@@ -153,3 +153,19 @@ def test_the_arm_s_ticks_and_a_process_s_start_time_share_a_clock() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_page_keeps_the_run_s_context_written_once(tmp_path: Path) -> None:
+    board = DeadlineBoard(str(tmp_path / "page"), create=True)
+    context = frozenset({(11, 100), (12, 101)})
+    board.arm(5.0, 1.0, context, "first")
+    board.arm(6.0, 1.0, context, "second")  # the same object: its pairs are not written again
+    assert board.read() == (2, 6.0, 1.0, context, "second")
+    board.disarm()
+    board.arm(7.0, 1.0, context, "third")
+    assert board.read() == (3, 7.0, 1.0, context, "third")
+    wider = context | {(13, 102)}
+    board.arm(8.0, 1.0, wider, "fourth")
+    assert board.read() == (4, 8.0, 1.0, wider, "fourth")
+    board.arm(9.0, 1.0, frozenset(), "fifth")
+    assert board.read() == (5, 9.0, 1.0, frozenset(), "fifth")
