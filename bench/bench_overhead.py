@@ -1,15 +1,22 @@
-"""Per-test overhead on trivial passing tests: pytest-torchhang vs pytest-timeout vs no plugin.
+"""Per-test cost the way a user pays it: the whole pytest process, as the slope between sizes.
 
-Each configuration runs the same generated session (2,000 passing tests) in a fresh ``pytest``;
-the configurations take turns (interleaved, the order rotated every round, so drift and other
-work on the machine hit all alike) and the table shows medians. The per-test cost is the
-session's collection plus run-loop time (timed by the session's own conftest, so interpreter
-start-up and plugin import are left out) minus the no-plugin session's, divided by the number
-of tests; the process wall time is shown too.
+Each configuration runs a generated session of trivial passing tests in a fresh ``pytest``
+process, at two sizes (2,000 and 6,000 tests); the per-test cost is the slope, (median of the
+large sessions less median of the small ones) / 4,000, of the process's wall time and of its CPU
+time (user + system of pytest and of every helper process it started and reaped: the monitor).
+Whatever a user pays per test is in the slope: collection, the run loop, reporting, the
+session's end and the interpreter's exit (a larger session ends slower too); what a session
+pays once (interpreter start, imports, the monitor's start and stop) is in the intercept.
+The configurations take turns (interleaved, the order rotated every round, so that drift and
+other work on the machine hit all alike); pytest-timeout's signal method runs in the same
+rounds as the plugin. The session's own conftest times its parts (collection, the run loop,
+the session's end), so that the table also says where each part of the slope goes.
 
-Run: ``python bench/bench_overhead.py [--tests N] [--repeats R] [--variant NAME=PATH]``.
-``--variant`` adds the inert and guarding configurations run with PATH first on PYTHONPATH (a
-modified copy of the package), measured in the same rounds as today's code.
+Run: ``python bench/bench_overhead.py [--small N] [--large N] [--repeats R] [--variant NAME=PATH]``.
+``--variant`` adds the guarding configuration run with PATH first on PYTHONPATH (a modified
+copy of the package), measured in the same rounds as the installed code. Each figure is the
+median over rounds of that round's slope (its two sizes run back to back), and a difference
+between configurations the median of the rounds' differences: drift between rounds cancels.
 """
 
 from __future__ import annotations
@@ -21,90 +28,61 @@ from pathlib import Path
 from _common import (
     OUT_ENV,
     add_variant_option,
-    imported_modules,
     machine,
     measured_variants,
     median,
     parser,
     run_session,
-    spread,
     table,
 )
 
-# Timed by the session itself: collection, and the run loop after the first test (whose
-# one-off costs, such as starting the plugin's monitor process, are left out: the conftest lets
-# that start finish before the clock runs again). CPU time counts the pytest process, all its
-# threads, and its helper processes.
+# Wall and CPU (of the pytest process) at the edges of the session's parts: configure (after
+# start-up and imports), collection, the run loop, and the end of unconfigure (after the
+# session's end: sessionfinish, the summary, the plugin's stop). The rest of the process's wall
+# time is its start-up before configure and its exit after unconfigure.
 CONFTEST = textwrap.dedent(
     f"""
     import json
     import os
     import time
 
-    import psutil
     import pytest
 
-    FIGURES = {{}}
+    MARKS = {{}}
 
 
-    def _children_cpu():
-        total = 0.0
-        for child in psutil.Process().children(recursive=True):
-            try:
-                times = child.cpu_times()
-                total += times.user + times.system
-            except psutil.Error:
-                pass
-        return total
+    def _mark(name):
+        MARKS[name] = (time.perf_counter(), time.process_time())
 
 
-    def _now():
-        return time.perf_counter(), time.process_time() + _children_cpu()
-
-
-    def _settle():
-        # wait until helper processes started by the first test have finished starting
-        before = _children_cpu()
-        for _ in range(40):
-            time.sleep(0.05)
-            now = _children_cpu()
-            if now == before:
-                return
-            before = now
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_configure(config):
+        _mark("configure")
 
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_collection(session):
-        wall, cpu = _now()
+        _mark("collect")
         try:
             return (yield)
         finally:
-            wall2, cpu2 = _now()
-            FIGURES["collect_wall"], FIGURES["collect_cpu"] = wall2 - wall, cpu2 - cpu
-
-
-    def pytest_runtest_logfinish(nodeid, location):
-        if "start" not in FIGURES:
-            settle = time.perf_counter()
-            _settle()
-            FIGURES["settle"] = time.perf_counter() - settle
-            FIGURES["start"] = _now()
+            _mark("collected")
 
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtestloop(session):
+        _mark("run")
         try:
             return (yield)
         finally:
-            wall2, cpu2 = _now()
-            if "start" in FIGURES:  # not in a --collect-only session
-                wall, cpu = FIGURES.pop("start")
-                FIGURES["run_wall"], FIGURES["run_cpu"] = wall2 - wall, cpu2 - cpu
+            _mark("ran")
 
 
+    @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(config):
+        _mark("unconfigured")
         with open(os.environ["{OUT_ENV}"], "w") as out:
-            json.dump(FIGURES, out)
+            json.dump(MARKS, out)
     """
 )
 
@@ -121,14 +99,18 @@ TESTS = textwrap.dedent(
 
 NO_PLUGIN = "no plugin (-p no:torchhang -p no:timeout)"
 TIMEOUT_SIGNAL = "pytest-timeout --timeout=60 --timeout-method=signal"
-TIMEOUT_THREAD = "pytest-timeout --timeout=60 --timeout-method=thread"
 INERT = "pytest-torchhang inert (no timeout set)"
 GUARD = "pytest-torchhang --torch-hang-timeout=60"
+#: the session's parts, between the conftest's marks (wall time)
+PARTS = {
+    "collection": ("collect", "collected"),
+    "run loop": ("run", "ran"),
+    "session end": ("ran", "unconfigured"),
+}
+GOAL_MS = 0.100
 
 
-def configurations(
-    quick: bool, variants: list[tuple[str, str]]
-) -> dict[str, tuple[list[str], str | None]]:
+def configurations(variants: list[tuple[str, str]]) -> dict[str, tuple[list[str], str | None]]:
     """name -> (pytest arguments, PYTHONPATH entry for a variant of the package)."""
     configs: dict[str, tuple[list[str], str | None]] = {
         NO_PLUGIN: (["-p", "no:torchhang", "-p", "no:timeout"], None),
@@ -136,145 +118,140 @@ def configurations(
         INERT: (["-p", "no:timeout"], None),
         GUARD: (["-p", "no:timeout", "--torch-hang-timeout=60"], None),
     }
-    if not quick:
-        configs[TIMEOUT_THREAD] = (
-            ["-p", "no:torchhang", "--timeout=60", "--timeout-method=thread"],
-            None,
-        )
-    for name, path in variants:
-        configs[f"{INERT} [{name}]"] = (["-p", "no:timeout"], path)
+    for name, path in variants:  # the guarding configuration only: what changes most
         configs[f"{GUARD} [{name}]"] = (["-p", "no:timeout", "--torch-hang-timeout=60"], path)
     return configs
 
 
-def import_cost(root: Path, repeats: int) -> tuple[float, float]:
-    """What the plugin's import adds to an inert session, in ms: (all of it, the guard's part).
-
-    The modules imported with the plugin and not without, their own import times summed; the
-    guard's part is the modules a guarded test needs and an inert session could do without.
-    """
-    totals, guard = [], []
-    for _ in range(repeats):
-        base = imported_modules(root, ["-p", "no:torchhang", "-p", "no:timeout", *COLLECT])
-        inert = imported_modules(root, ["-p", "no:timeout", *COLLECT])
-        added = {name: us for name, us in inert.items() if name not in base}
-        totals.append(sum(added.values()) / 1000)
-        guard.append(
-            sum(
-                us
-                for name, us in added.items()
-                if name.startswith("pytest_torchhang.") and name.split(".")[1] in GUARD_MODULES
-            )
-            / 1000
-        )
-    return median(totals), median(guard)
-
-
-#: A collect-only session: what the plugin's import costs, without any test run.
-COLLECT = ["--collect-only", "test_trivial.py"]
-#: Packages and modules only a guarded test, a hang or the fixture needs.
-GUARD_MODULES = {"watchdog", "processwide", "capture", "diagnosis", "report", "runner", "monitor"}
-
-
 def main() -> None:
     args = parser(__doc__)
-    args.add_argument("--tests", type=int, help="Passing tests per session (default 2000)")
-    args.add_argument("--repeats", type=int, help="Sessions per configuration (default 7)")
+    args.add_argument("--small", type=int, help="Tests in the small session (default 2000)")
+    args.add_argument("--large", type=int, help="Tests in the large session (default 6000)")
+    args.add_argument("--repeats", type=int, help="Sessions per configuration and size (5)")
     add_variant_option(args)
     options = args.parse_args()
-    tests = options.tests or (200 if options.quick else 2000)
-    repeats = options.repeats or (1 if options.quick else 7)
-    variants = measured_variants(args, options)
-    configs = configurations(options.quick, variants)
+    small = options.small or (100 if options.quick else 2000)
+    large = options.large or (300 if options.quick else 6000)
+    repeats = options.repeats or (1 if options.quick else 5)
+    configs = configurations(measured_variants(args, options))
     names = list(configs)
-    samples: dict[str, dict[str, list[float]]] = {
-        name: {"cpu": [], "inner": [], "collect": [], "wall": []} for name in names
-    }
+    # per name and size: the process's wall and CPU, and each part's wall
+    keys = ["wall", "cpu", *PARTS, "rest"]
+    samples = {name: {n: {k: [] for k in keys} for n in (small, large)} for name in names}
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         root = Path(tmp)
         (root / "conftest.py").write_text(CONFTEST)
-        (root / "test_trivial.py").write_text(TESTS.format(n=tests))
-        rounds = repeats if options.quick else repeats + 1  # the first full round warms caches
+        for n in (small, large):
+            (root / f"test_{n}.py").write_text(TESTS.format(n=n))
+        rounds = repeats if options.quick else repeats + 1  # the first round warms caches
+        runs = [(name, n) for name in names for n in (small, large)]
         for round_ in range(rounds):
-            order = names[round_ % len(names) :] + names[: round_ % len(names)]
-            for name in order:
+            shift = round_ % len(runs)
+            for name, n in runs[shift:] + runs[:shift]:
                 pytest_args, path = configs[name]
-                session = run_session(root, [*pytest_args, "test_trivial.py"], pythonpath=path)
-                if f"{tests} passed" not in session.output:
-                    raise RuntimeError(
-                        f"{name}: expected {tests} passed:\n{session.output[-2000:]}"
-                    )
+                session = run_session(root, [*pytest_args, f"test_{n}.py"], pythonpath=path)
+                if f"{n} passed" not in session.output:
+                    raise RuntimeError(f"{name}: expected {n} passed:\n{session.output[-2000:]}")
                 if round_ == 0 and not options.quick:
                     continue
-                figures = {k: float(v) for k, v in session.figures.items()}  # type: ignore[arg-type]
-                sample = samples[name]
-                # per test: collection of every test, the run of every test but the first
-                sample["cpu"].append(
-                    figures["collect_cpu"] / tests + figures["run_cpu"] / (tests - 1)
-                )
-                sample["inner"].append(
-                    figures["collect_wall"] / tests + figures["run_wall"] / (tests - 1)
-                )
-                sample["collect"].append(figures["collect_wall"] / tests)
-                # less the conftest's wait for the monitor's start
-                sample["wall"].append(session.wall_s - figures["settle"])
-        total_import, guard_import = import_cost(root, 1 if options.quick else 5)
+                marks = {k: v[0] for k, v in session.figures.items()}  # type: ignore[index]
+                sample = samples[name][n]
+                sample["wall"].append(session.wall_s)
+                sample["cpu"].append(session.cpu_s)
+                inside = 0.0
+                for part, (begin, end) in PARTS.items():
+                    sample[part].append(marks[end] - marks[begin])
+                    inside += marks[end] - marks[begin]
+                # start-up before collection (configure included), and the exit after unconfigure
+                sample["rest"].append(session.wall_s - inside)
 
-    def per_test(name: str, key: str) -> float:
-        """Median of ``key`` for ``name`` minus the no-plugin session's, in ms per test."""
-        scale = 1 if key in ("cpu", "inner", "collect") else tests  # those are per test already
-        return (median(samples[name][key]) - median(samples[NO_PLUGIN][key])) / scale * 1000
+    def slope(name: str, key: str) -> float:
+        """ms per test: the median over rounds of each round's slope (the large session less
+        the small one, run back to back, per added test): drift between rounds cancels."""
+        by_size = samples[name]
+        per_round = [
+            (big - little) / (large - small) * 1e3
+            for big, little in zip(by_size[large][key], by_size[small][key], strict=True)
+        ]
+        return median(per_round)
 
-    print(f"{tests} trivial passing tests per session, median of {repeats} interleaved sessions")
+    def over(name: str, base: str, key: str) -> float:
+        """ms per test: the median over rounds of ``name``'s slope less ``base``'s."""
+        pairs = zip(samples[name][large][key], samples[name][small][key], strict=True)
+        theirs = zip(samples[base][large][key], samples[base][small][key], strict=True)
+        return median(
+            [
+                ((a - b) - (c - d)) / (large - small) * 1e3
+                for (a, b), (c, d) in zip(pairs, theirs, strict=True)
+            ]
+        )
+
+    def least(name: str, key: str) -> float:
+        """ms per test from the least disturbed sessions: the fastest large one less the fastest
+        small one (CPU-bound work is only ever slowed down by other work on the machine)."""
+        by_size = samples[name]
+        return (min(by_size[large][key]) - min(by_size[small][key])) / (large - small) * 1e3
+
+    def fixed(name: str, key: str) -> float:
+        """ms per session: the intercept."""
+        return median(samples[name][small][key]) * 1e3 - slope(name, key) * small
+
+    print(
+        f"whole pytest process, {small} and {large} trivial passing tests, per-test cost = slope; "
+        f"median of {repeats} interleaved sessions per configuration and size"
+    )
     print(machine())
     table(
         [
             "configuration",
             "CPU ms/test",
             "wall ms/test",
-            "(collect)",
-            "session s",
-            "(min-max)",
-            "process ms/test",
+            "CPU ms/session",
+            "wall ms/session",
+            f"{large} tests s",
         ],
         [
             (
                 name,
-                per_test(name, "cpu"),
-                per_test(name, "inner"),
-                per_test(name, "collect"),
-                median(samples[name]["wall"]),
-                spread(samples[name]["wall"]),
-                per_test(name, "wall"),
+                slope(name, "cpu"),
+                slope(name, "wall"),
+                fixed(name, "cpu"),
+                fixed(name, "wall"),
+                median(samples[name][large]["wall"]),
             )
             for name in names
         ],
         first=56,
     )
-    print(
-        "\nCPU: CPU time of the pytest process and its helpers (the monitor) in collection and "
-        "the run loop (first test left out);\nwall: wall time of the same; process: the whole "
-        "pytest process, with the plugin's import and its once-a-session start and stop.\n"
-        "Each against the no-plugin session, per test."
+    print("\nwhere the wall time per test goes (ms/test, slope of each part of the session):")
+    table(
+        ["configuration", *PARTS, "start+exit"],
+        [(name, *(slope(name, part) for part in [*PARTS, "rest"])) for name in names],
+        first=56,
     )
-    for label, key in (("CPU", "cpu"), ("wall", "inner"), ("process wall", "wall")):
-        extra = per_test(GUARD, key) - per_test(TIMEOUT_SIGNAL, key)
-        line = (
-            f"{label:>12}: guarding {extra:+.3f} ms/test over pytest-timeout's signal method "
-            f"(goal <= +0.100), inert {per_test(INERT, key):.3f} ms/test (goal < 0.020)"
+    print(
+        "\nCPU: user + system time of the pytest process and of its helper processes (the "
+        "monitor); wall: the process's wall time, start to exit.\nms/test is the slope between "
+        "the two sizes; ms/session the intercept (what a session pays once)."
+    )
+    for name in [n for n in names if n.startswith(GUARD)]:
+        extra_cpu = over(name, TIMEOUT_SIGNAL, "cpu")
+        extra_wall = over(name, TIMEOUT_SIGNAL, "wall")
+        verdict = "met" if max(extra_cpu, extra_wall) <= GOAL_MS else "NOT met"
+        print(
+            f"per test: {name} (guarding): {extra_cpu:+.3f} ms CPU, {extra_wall:+.3f} ms wall "
+            f"over pytest-timeout's signal method (goal <= +{GOAL_MS:.3f}: {verdict})"
         )
-        for variant, _path in variants:
-            line += (
-                f"; [{variant}] guarding "
-                f"{per_test(f'{GUARD} [{variant}]', key) - per_test(TIMEOUT_SIGNAL, key):+.3f}, "
-                f"inert {per_test(f'{INERT} [{variant}]', key):.3f}"
-            )
-        print(line)
-    print(
-        f"\nimport: the plugin adds {total_import:.1f} ms of imports to an inert session "
-        f"(once a session), {guard_import:.1f} ms of them the guard's modules "
-        f"({', '.join(sorted(GUARD_MODULES))})"
-    )
+        print(
+            f"  least disturbed: {least(name, 'cpu') - least(TIMEOUT_SIGNAL, 'cpu'):+.3f} ms CPU, "
+            f"{least(name, 'wall') - least(TIMEOUT_SIGNAL, 'wall'):+.3f} ms wall "
+            "(the fastest sessions of each size)"
+        )
+    for name in [n for n in names if n.startswith(INERT)]:
+        print(
+            f"per test: {name} (inert): {over(name, NO_PLUGIN, 'cpu'):+.3f} ms CPU, "
+            f"{over(name, NO_PLUGIN, 'wall'):+.3f} ms wall over no plugin"
+        )
 
 
 if __name__ == "__main__":

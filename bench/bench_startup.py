@@ -61,7 +61,7 @@ HOT = (
     "pytest_torchhang.exceptions",
     "pytest_torchhang.debuggers",  # each guarded test's debugger check (stdlib only)
     "pytest_torchhang.rerun",  # records the session's hangs in pytest's cache (pytest only)
-    "pytest_torchhang.fixtures",  # a wider fixture's setup hook (stdlib, pytest, the model)
+    "pytest_torchhang.fixtures",  # the per-test hooks' wrapper of wider fixtures' setup
     "pytest_torchhang.devices",
     "pytest_torchhang.inject",
     "pytest_torchhang.monitor.client",

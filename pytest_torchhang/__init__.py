@@ -6,7 +6,9 @@ import ``pytest_torchhang.inject.hook`` without paying for pytest.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+# not ``from typing import ...``: the monitor and every child's start-up hook import this
+# package in an interpreter that has not loaded typing (some 10 ms of CPU)
+TYPE_CHECKING = False
 
 __all__ = [
     "ChildCrashed",
@@ -19,6 +21,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from .exceptions import ChildCrashed, HangError, RemoteTraceback
     from .inject.beats import progress
     from .report.model import HangReport

@@ -17,6 +17,7 @@ which neither tool touches (and which, unlike the monotonic clock, counts a susp
 from __future__ import annotations
 
 import functools
+import os
 import time as _time
 from collections.abc import Callable
 
@@ -29,6 +30,16 @@ sleep: Callable[[float], None] = functools.partial(_time.sleep)
 
 #: Seconds on the boot clock (the monotonic clock plus the time the machine was suspended).
 boottime: Callable[[], float] = functools.partial(_time.clock_gettime, _time.CLOCK_BOOTTIME)
+#: Clock ticks a second: the unit of a process's start time (``/proc/PID/stat`` field 22).
+TICKS_PER_S: int = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def boot_ticks() -> int:
+    """Now on the boot clock, in clock ticks: the time base and unit (truncated, as the kernel
+    truncates) of a process's start time, so that the two compare."""
+    return int(boottime() * TICKS_PER_S)
+
+
 _realtime: Callable[[], float] = functools.partial(_time.time)  # time-machine reaches this one
 #: (wall time, boot clock) read together: the last moment the host's wall clock was trusted.
 _anchor = (_time.time(), boottime())

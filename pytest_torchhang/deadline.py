@@ -340,6 +340,8 @@ def _apply(state: State, event: Event, now: float) -> State:
     armed = state.phase is Phase.ARMED
     if isinstance(event, Tick):
         return state
+    if isinstance(event, Disarm):  # early: every passing test ends with it
+        return state._replace(phase=Phase.DISARMED, history=_note(state, now, "disarmed"))
     if isinstance(event, SetLimit):
         if not armed or event.seconds <= 0:
             return state
@@ -405,8 +407,6 @@ def _apply(state: State, event: Event, now: float) -> State:
         if state.phase is not Phase.FIRED:
             return state
         return _delivered(state, now, "delivered")
-    if isinstance(event, Disarm):
-        return state._replace(phase=Phase.DISARMED, history=_note(state, now, "disarmed"))
     raise TypeError(f"not a deadline event: {event!r}")
 
 
@@ -436,6 +436,14 @@ def _delivered(state: State, now: float, why: str) -> State:
         grace_due=_clock(state, now) + state.grace_s,
         history=_note(state, now, why),
     )
+
+
+def with_running(state: State, running: bool) -> State:
+    """``state`` with the test's own code running or not, as the shell recorded it without an
+    event while nothing had fired (``PhaseStarted`` and ``PhaseEnded`` do the same, and tick):
+    only an interrupt depends on it, and only once a fire has begun, when the shell feeds the
+    phase events themselves. No clock moves and no wake changes."""
+    return state._replace(running=running)
 
 
 def monitor_due(state: State, wake: float) -> float | None:

@@ -19,7 +19,6 @@ raised, and hands it to every later test of its scope. Three things follow for a
 from __future__ import annotations
 
 import itertools
-import multiprocessing.process
 import os
 import sys
 import weakref
@@ -254,7 +253,9 @@ def pool_workers(values: Iterable[tuple[pytest.FixtureDef[Any], object]]) -> dic
 def _live_pid(proc: object) -> int | None:
     """The pid of a started, unreaped ``multiprocessing`` process: not a recycled one (until
     its owner reaps it and sets its return code, the exited process holds its pid)."""
-    if not issubclass(type(proc), multiprocessing.process.BaseProcess):
+    # never imported here (it would cost every guarded session): without it, no such process
+    process = sys.modules.get("multiprocessing.process")
+    if process is None or not issubclass(type(proc), process.BaseProcess):
         return None
     popen = _fields(proc).get("_popen")
     fields = _fields(popen) if popen is not None else {}

@@ -571,6 +571,7 @@ class _PerTestHooks:
         self._wait_s = session.PIPELINE_WAIT_S
         self._hang_error = exceptions.HangError
         self._make_renderable = exceptions.make_renderable
+        self._hunter = _hunter(state.config)  # registered at configure, before these hooks
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_protocol(
@@ -583,8 +584,8 @@ class _PerTestHooks:
         if item_settings.timeout > 0 or item_settings.stall > 0:
             _watch_debuggers(item, state.arm(item, item_settings.timeout, item_settings.stall))
         else:
-            state.forget_births()
-        hunter = _hunter(item.config)
+            state.end_guarded_run()
+        hunter = self._hunter
         if hunter is not None:
             hunter.begin_run(item)
         try:
@@ -611,6 +612,10 @@ class _PerTestHooks:
         if fixturedef.scope == "function":
             return (yield)
         return (yield from self._fixtures.setup(fixturedef, request))
+
+    def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any]) -> None:
+        if fixturedef.scope != "function":
+            self.state.wider_fixture_ends()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, object, object]:

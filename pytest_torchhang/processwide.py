@@ -226,6 +226,33 @@ def launch(fn: Callable[[], T], wait_s: float = LAUNCH_WAIT_S) -> T:
     """``fn()`` (which starts a helper process), run on the process's launcher thread."""
     if threading.current_thread() is _Launcher.thread:
         return fn()
+    box, done = _submit(fn)
+    if not done.wait(wait_s):
+        raise RuntimeError(f"pytest-torchhang could not start a helper process in {wait_s:.0f}s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def launch_soon(fn: Callable[[], T]) -> Callable[[float], T]:
+    """``fn()`` on the launcher thread, without waiting for it: returns ``result(wait_s)``,
+    which waits up to ``wait_s`` for it and returns its value, raises what it raised, or raises
+    ``TimeoutError`` while it has not finished (``result(0)`` never waits)."""
+    box, done = _submit(fn)
+
+    def result(wait_s: float) -> T:
+        if not done.wait(wait_s):
+            raise TimeoutError(f"pytest-torchhang's helper process is not started after {wait_s}s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
+
+    return result
+
+
+def _submit(fn: Callable[[], Any]) -> tuple[list[Any], threading.Event]:
     box: list[Any] = []
     done = threading.Event()
     with _Launcher.ready:
@@ -237,12 +264,7 @@ def launch(fn: Callable[[], T], wait_s: float = LAUNCH_WAIT_S) -> T:
             hook.name_thread(_Launcher.thread)
         _Launcher.work.append((fn, box, done))
         _Launcher.ready.notify()
-    if not done.wait(wait_s):
-        raise RuntimeError(f"pytest-torchhang could not start a helper process in {wait_s:.0f}s")
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
+    return box, done
 
 
 def end_helper(proc: subprocess.Popen[bytes], grace_s: float) -> None:

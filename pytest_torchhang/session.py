@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 PIPELINE_WAIT_S = 30.0
 
 DEADLINE = pytest.StashKey["TestDeadline"]()
+#: At an arm, the monitor (the GIL backstop) is checked alive (a waitpid) at most this often.
+MONITOR_CHECK_S = 1.0
 
 
 def xdist_worker(config: pytest.Config) -> str | None:
@@ -65,7 +68,13 @@ class SessionState:
     #: given to every deadline: at a fire, marks those workers as spared (``fixtures.py``)
     before_capture: Callable[[CaptureTarget], CaptureTarget] | None = None
     _boards: int = 0  # progress boards made so far: each test gets a new file
-    _births_after: Births | None = None  # the last guarded test's closing snapshot
+    #: What ran before the current run of consecutive guarded tests (one walk of /proc when
+    #: the run begins), and the processes wider fixtures started since: context for each of
+    #: them. None: no such run is open (the next guarded test opens one).
+    _context: Births | None = None
+    _monitor_checked: float = -1.0  # when the monitor was last seen alive (at an arm)
+    #: pool workers of wider fixtures torn down during the run: theirs, not left by a test
+    _pool_births: Births = frozenset()
 
     def get_runner(self) -> client.Runner:
         """The subprocess runner (and its zygote), created on first use."""
@@ -81,11 +90,15 @@ class SessionState:
         """How long this process was stopped (Ctrl-Z) between two times, as the monitor saw."""
         return self.monitor.board.stopped_between(since, now) if self.monitor is not None else 0.0
 
-    def own_pids(self, start: bool = True) -> set[int]:
-        """The plugin's own processes: never part of a test's tree."""
+    def own_pids(self, start: bool = True, wait: bool = True) -> set[int]:
+        """The plugin's own processes: never part of a test's tree. ``wait``: for the monitor's
+        start in flight, if any (an arm does not: its monitor is excluded again at a fire)."""
         pids = self.subprocess_runner.helper_pids() if self.subprocess_runner is not None else set()
         if self.monitor is not None:
-            pid = self.monitor.ensure_started() if start else self.monitor.pid
+            if start:
+                pid: int | None = self.monitor.ensure_started()
+            else:
+                pid = self.monitor.settled_pid() if wait else self.monitor.pid
             if pid is not None:
                 pids.add(pid)
         return pids
@@ -104,7 +117,7 @@ class SessionState:
         self.monitor = MonitorClient(
             self.dump_dir, self.stderr_fd, self.settings.report_dir, spare_root=self.in_thread
         )
-        self.monitor.ensure_started()
+        self.monitor.start_soon()  # the session goes on meanwhile: nothing here waits for it
         self.watchdog = Watchdog(self.monitor, lambda: self.own_pids(start=False), self.notes)
         if self.in_thread:
             self.notes.append(
@@ -115,17 +128,62 @@ class SessionState:
             )
         return self.watchdog
 
-    def _take_births(self) -> Births:
-        """What runs before this test: the snapshot the previous guarded test ended with, when
-        nothing ran since (one walk of /proc per test instead of two), else a fresh one."""
+    def _open_context(self) -> Births:
+        """What ran before the current run of guarded tests: read once, when the run begins.
+
+        A passing guarded test reads nothing of /proc. Ownership is settled at a fire instead
+        (``_at_fire``): what the run's snapshot holds, and what was born before the test was
+        armed (by its start time), is context; the rest of the tree is the test's.
+        """
+        if self._context is None:
+            from .capture import tree
+
+            self._context = tree.births(os.getpid(), self._monitor_pid())
+        return self._context
+
+    def end_guarded_run(self) -> None:
+        """The run of guarded tests is over (an unguarded test follows, or the session ends):
+        what its tests started and left running is noted, to be killed at the session's end.
+        One walk of /proc per run of guarded tests, not per test."""
+        context, self._context = self._context, None
+        if context is None:
+            return
+        if self.watchdog is not None:
+            self.watchdog.idle()  # the monitor's page: a passing test left its deadline on it
         from .capture import tree
 
-        births, self._births_after = self._births_after, None
-        return births if births is not None else tree.births(os.getpid(), self._monitor_pid())
+        own = self.own_pids(start=False)
+        now = tree.births(os.getpid(), self._monitor_pid())
+        started = {birth for birth in now - context if birth[0] not in own}
+        if started and self.pools is not None:
+            started -= self.pools() | self._pool_births
+        self._pool_births = frozenset()
+        self.started_by_tests |= started
 
-    def forget_births(self) -> None:
-        """An unguarded test ran: the last snapshot is stale."""
-        self._births_after = None
+    def wider_fixture_ends(self) -> None:
+        """A wider fixture is torn down: the workers of its value's pools are its own, not left
+        running by the test during which they started (``end_guarded_run`` no longer sees it)."""
+        if self._context is not None and self.pools is not None:
+            self._pool_births |= self.pools()
+
+    def _at_fire(self, held: TestDeadline, target: CaptureTarget) -> CaptureTarget:
+        """On the watchdog's thread, at a fire of ``held``: what ran before the test becomes
+        ``target.before`` (the context: captured, never killed): the run's snapshot, what wider
+        fixtures started, and every descendant born before the test was armed (earlier tests of
+        the run left it running: it is theirs, killed at the session's end). A process born in
+        the clock tick (10 ms) of the arm and not in the snapshot counts as the test's: it was
+        started by this test or by the guarded test just before it, and either way it is killed
+        by the plugin (now, or at the session's end)."""
+        from .capture import tree
+
+        context = target.before or frozenset()
+        earlier = tree.born_before(
+            tree.births(os.getpid(), self._monitor_pid()) - context, held.arm_ticks
+        )
+        target = replace(target, before=context | earlier)
+        if self.before_capture is not None:
+            target = self.before_capture(target)
+        return target
 
     def _monitor_pid(self) -> tuple[int, ...]:
         pid = self.monitor.pid if self.monitor is not None else None
@@ -155,6 +213,11 @@ class SessionState:
         from .watchdog import TestDeadline
 
         now = clock.monotonic()
+        if now - self._monitor_checked >= MONITOR_CHECK_S:
+            self._monitor_checked = now
+            restarted = self.monitor.check() if self.monitor is not None else None
+            if restarted:
+                self.notes.append(restarted)
         state = deadline.start(now, {source: timeout_s}, stall_s)
         worker = xdist_worker(item.config)
         target = CaptureTarget(
@@ -163,21 +226,21 @@ class SessionState:
             root_pid=os.getpid(),
             dump_dir=self.dump_dir,
             started=now,
-            # the plugin's processes, started at activation (one restarted since: at the fire)
-            exclude=frozenset(self.own_pids(start=False)),
+            exclude=frozenset(self.own_pids(start=False, wait=False)),  # the monitor's: at a fire
             shm_since=clock.wall(),
             native=self.settings.native,
-            before=self._take_births(),
+            before=self._open_context(),  # the rest of it is settled at a fire
             root_role=f"pytest (xdist worker {worker})" if worker else "pytest",
         )
         held = TestDeadline(target, state, threading.get_ident(), item=item)
-        held.before_capture = self.before_capture
+        held.arm_ticks = clock.boot_ticks()  # ownership, settled at a fire by start times
+        held.before_capture = functools.partial(self._at_fire, held)
         if stall_s > 0:
             held.board = self._progress_board()
         item.stash[DEADLINE] = held
         self.current = held
-        held.feed(deadline.Tick())  # the model's first wake time
-        watchdog.arm(held)
+        held.start(now)  # the model's first wake time: nobody else holds the deadline yet
+        watchdog.arm(held, check=False)
         return held
 
     @contextlib.contextmanager
@@ -192,6 +255,8 @@ class SessionState:
         finally:
             new = tree.births(me) - before
             held = self.current
+            if new and self._context is not None:
+                self._context = self._context | new  # context for the later tests of the run
             if new and held is not None:
                 with held.locked():  # a fire may make the capture's target from it meanwhile
                     before = (held.target.before or frozenset()) | new
@@ -217,7 +282,7 @@ class SessionState:
         return beats.new_board(self.dump_dir, self._boards)
 
     def finish(self, held: TestDeadline) -> None:
-        """The test is over: lift its deadline, remember what it left running."""
+        """The test is over: lift its deadline (one event; nothing read of /proc)."""
         if held.board is not None:
             from .inject import beats
 
@@ -225,16 +290,7 @@ class SessionState:
         self.disarm(held)
         if held.fired:
             held.wait_for_capture(PIPELINE_WAIT_S)
-        before = held.target.before or frozenset()
-        from .capture import tree
-
-        own = self.own_pids(start=False)
-        now = tree.births(os.getpid(), self._monitor_pid())
-        started = {birth for birth in now - before if birth[0] not in own}
-        if started and self.pools is not None:
-            started -= self.pools()
-        self.started_by_tests |= started
-        self._births_after = now  # the next test's "before", if it follows at once
+        # what the test left running is noted when the run of guarded tests ends
 
     @contextlib.contextmanager
     def paused_deadline(self) -> Iterator[None]:
@@ -273,6 +329,7 @@ class SessionState:
 
     def kill_leftovers(self) -> None:
         """Kill what guarded tests started and left running; never what they did not start."""
+        self.end_guarded_run()
         if self.watchdog is None or not self.started_by_tests:
             return
         from .capture import tree

@@ -81,6 +81,10 @@ class TestDeadline:
     #: read only when something comes due; stops before ``stops_counted`` are in the model.
     stops: Callable[[float, float], float] | None = field(default=None, repr=False)
     stops_counted: float = -deadline.INF
+    arm_ticks: int = 0  # when armed (``clock.boot_ticks``): ownership is settled at a fire
+    #: The test's own code runs: stored without the lock while nothing fired; the model learns
+    #: it whenever the lock is next taken (``_sync_running``), before it decides anything.
+    running: bool = False
     # A plain lock, never re-entered: an interrupt that lands while its own thread holds it (in
     # the middle of ``feed``) must not change the state under that feed, which would then store
     # its own result over the interrupt's event. Code that may run at any bytecode (the signal
@@ -119,6 +123,7 @@ class TestDeadline:
         """Hold the test's lock; on release, apply deferred events and knock on the door."""
         self._lock.acquire()
         try:
+            self._sync_running()
             yield
         finally:
             self._settle(clock.monotonic())
@@ -132,6 +137,18 @@ class TestDeadline:
         action decided on another thread waits in ``pending`` for it, and the door wakes it."""
         with self.locked():
             return self._feed(event, now, by_watchdog)
+
+    def start(self, now: float) -> None:
+        """The model's first decision, before any other thread holds this deadline: no lock."""
+        self.state, decision = deadline.decide(self.state, deadline.Tick(), now)
+        self.wake = decision.wake
+        if decision.action is not None:  # due at once: the watchdog's arm wakes its thread
+            self.pending.append(decision)
+
+    def _sync_running(self) -> None:
+        """With the lock held: the model learns where the test's thread is (see ``running``)."""
+        if self.running is not self.state.running:
+            self.state = deadline.with_running(self.state, self.running)
 
     def _feed(self, event: Event, now: float | None, by_watchdog: bool) -> Decision:
         """``feed`` with the lock held."""
@@ -192,6 +209,7 @@ class TestDeadline:
             self._deferred.append(deadline.Delivered())  # for the holder, as it releases it
             return
         try:
+            self._sync_running()
             self._step(deadline.Delivered(), clock.monotonic(), by_watchdog=False)
         finally:
             self._lock.release()  # the door is knocked on at the next release
@@ -243,6 +261,7 @@ class TestDeadline:
             self._interrupt_missed = True
             return None
         try:
+            self._sync_running()
             state = self.state
             if state.phase is not Phase.FIRED or not state.running or not self.reports:
                 return None
@@ -264,11 +283,19 @@ class TestDeadline:
             return fresh
 
     def enter_phase(self, name: str) -> None:
-        with self.locked():
-            self.phase_name = name
-            self._feed(deadline.PhaseStarted(name), None, False)
+        """The test's own code starts. While nothing fired, two stores and no event: a fire
+        that begins after the look at the phase finds them; one that began before is seen."""
+        self.phase_name = name
+        self.running = True
+        if self.state.phase is not Phase.ARMED:
+            with self.locked():
+                self._feed(deadline.PhaseStarted(name), None, False)
 
     def leave_phase(self) -> None:
+        """pytest's own code runs again (see ``enter_phase``)."""
+        self.running = False
+        if self.state.phase is Phase.ARMED:
+            return
         with self.locked():
             self._feed(deadline.PhaseEnded(), None, False)
             if not self.in_main_thread and self.state.phase is Phase.FIRED:
@@ -341,11 +368,12 @@ class Watchdog:
         self._thread.start()
         hook.name_thread(self._thread)
 
-    def arm(self, held: TestDeadline) -> None:
+    def arm(self, held: TestDeadline, check: bool = True) -> None:
         """Watch ``held`` (the current test's), or look again at it after a change."""
-        restarted = self._monitor.check()  # one waitpid: the backstop is alive for this test
-        if restarted:
-            self._errors.append(restarted)
+        if check:  # a new test's arm checks at most once a second (``session.MONITOR_CHECK_S``)
+            restarted = self._monitor.check()  # one waitpid: the backstop is alive
+            if restarted:
+                self._errors.append(restarted)
         held.door = self._door
         held.stops = self._stops
         with self._cond:
@@ -367,11 +395,27 @@ class Watchdog:
             self._cond.notify()
 
     def disarm(self, held: TestDeadline) -> None:
+        """The test is over. The page of one that never fired is left as it is: this thread
+        wakes by the time on it and clears it then (``_tell_idle``), seconds before the monitor
+        would act; the next test's arm overwrites it first, or an unguarded test's start."""
         held.feed(deadline.Disarm())
         with self._cond:
             if self._current is held:
                 self._current = None  # the thread finds out when it next wakes
-            self._tell_monitor(held)
+            if held.state.fires:  # the monitor counts from the fire: it must forget it now
+                self._tell_monitor(held)
+
+    def idle(self) -> None:
+        """No guarded test follows at once (an unguarded one, or the session's end)."""
+        with self._cond:
+            if self._current is None:
+                self._tell_idle()
+
+    def _tell_idle(self) -> None:
+        """Under ``self._cond``, with no test armed: clear the monitor's page (once)."""
+        if self._told[1] != "disarmed":
+            self._told = (0, "disarmed", 0)
+            self._monitor.board.disarm()
 
     def stop(self) -> None:
         with self._cond:
@@ -402,6 +446,7 @@ class Watchdog:
                 self._monitor.board.beat(clock.monotonic(), self._native_id)
                 current = self._current
                 if current is None:
+                    self._tell_idle()
                     self._sleep(deadline.INF)
                     continue
                 decision = current.feed(deadline.Tick(), by_watchdog=True)

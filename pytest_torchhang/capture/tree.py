@@ -160,6 +160,15 @@ def births(root_pid: int, skip: Iterable[int] = ()) -> Births:
     return _births_below((pid for pid in children(root_pid) if pid not in leave_out), children)
 
 
+def born_before(births: Births, ticks: int) -> Births:
+    """Those of ``births`` that started before clock tick ``ticks`` (``clock.boot_ticks``).
+
+    A start time is truncated to its tick: a process that started in the tick ``ticks`` itself
+    may have started before or after that moment, and is left out.
+    """
+    return frozenset(birth for birth in births if birth[1] < ticks)
+
+
 def births_below(pids: Iterable[int]) -> Births:
     """(pid, start ticks) of ``pids`` and all their descendants, as they are now."""
     return _births_below(pids, procfs.child_lister())

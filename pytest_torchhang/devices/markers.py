@@ -56,8 +56,12 @@ def requested_gpus(item: pytest.Item) -> int | None:
 
     Raises ``MarkerError`` naming the test and the marker when the arguments are invalid.
     """
-    gpu = item.get_closest_marker(GPU_MARKER)
-    cpu = item.get_closest_marker(CPU_MARKER)
+    gpu = cpu = None
+    for mark in item.iter_markers():  # one walk of the node chain (closest first), not two
+        if mark.name == GPU_MARKER:
+            gpu = gpu or mark
+        elif mark.name == CPU_MARKER:
+            cpu = cpu or mark
     if cpu is not None:
         where = f"@pytest.mark.{CPU_MARKER} on {item.nodeid}"
         if cpu.args or cpu.kwargs:

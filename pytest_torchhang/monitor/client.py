@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 from ..inject.protocol import DUMP_DIR_ENV
 from .page import DeadlineBoard
 
+#: A start in flight is waited for at most this long where the process itself is needed.
+LAUNCH_WAIT_S = 30.0
 #: The directory that holds the pytest_torchhang package, for a monitor started without site.
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,11 +32,59 @@ class MonitorClient:
         self._proc: subprocess.Popen[bytes] | None = None
         self._write_fd: int | None = None
         self._lock = threading.RLock()  # the test's thread and the watchdog's both use it
+        #: a start in flight on the launcher thread (``start_soon``): its result, and the pipe
+        self._starting: tuple[Callable[[float], subprocess.Popen[bytes]], int, int] | None = None
+        self._start_failed: BaseException | None = None
         self.board = DeadlineBoard(os.path.join(dump_dir, f"monitor-{os.getpid()}.page"), True)
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        """The monitor's pid; None while it is still starting (this never waits for it)."""
+        proc = self._proc
+        if proc is not None and self._starting is None:
+            return proc.pid
+        with self._lock:
+            self._settle(0.0)
+            return self._proc.pid if self._proc is not None else None
+
+    def settled_pid(self) -> int | None:
+        """The monitor's pid once a start in flight is over (bounded wait)."""
+        with self._lock:
+            self._settle(LAUNCH_WAIT_S)
+            return self._proc.pid if self._proc is not None else None
+
+    def start_soon(self) -> None:
+        """Start the monitor without waiting for it: the launcher thread forks and executes it
+        while the session goes on (its first test included). Whoever needs the process itself
+        (a fire, its pid for a kill, the session's end) waits for the start then."""
+        from .. import processwide
+
+        with self._lock:
+            if self._proc is not None or self._starting is not None:
+                return
+            read_fd, write_fd = os.pipe()
+            env = {k: v for k, v in os.environ.items() if k != DUMP_DIR_ENV}
+            result = processwide.launch_soon(lambda: self._popen(read_fd, env))
+            self._starting = (result, read_fd, write_fd)
+
+    def _settle(self, wait_s: float) -> None:
+        """With the lock held: take over a start in flight once it is over (up to ``wait_s``)."""
+        if self._starting is None:
+            return
+        result, read_fd, write_fd = self._starting
+        try:
+            proc = result(wait_s)
+        except TimeoutError:
+            return  # still starting
+        except Exception as exc:  # ensure_started starts it again, and raises its own failure
+            self._starting, self._start_failed = None, exc
+            for fd in (read_fd, write_fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            return
+        self._starting = None
+        os.close(read_fd)  # the child has its copy
+        self._proc, self._write_fd = proc, write_fd
 
     def _start(self) -> None:
         from .. import processwide
@@ -73,6 +124,7 @@ class MonitorClient:
     def ensure_started(self) -> int:
         """Start the monitor if it is not running; returns its pid."""
         with self._lock:
+            self._settle(LAUNCH_WAIT_S)
             if self._proc is None or self._proc.poll() is not None:
                 self._close_pipe()
                 self._start()
@@ -83,6 +135,11 @@ class MonitorClient:
         """Restart a monitor that died (the GIL backstop must never be gone silently); returns
         what happened, for the session's notes, or None when it runs."""
         with self._lock:
+            self._settle(0.0)
+            if self._start_failed is not None:  # the start in the background failed: again
+                failed, self._start_failed = self._start_failed, None
+                self.ensure_started()
+                return f"pytest-torchhang's monitor failed to start ({failed!r}) and was restarted"
             proc = self._proc
             if proc is None or proc.poll() is None:
                 return None
@@ -117,6 +174,8 @@ class MonitorClient:
 
     def stop(self) -> None:
         """End the monitor: closing the pipe makes it exit; bounded wait, then kill."""
+        with self._lock:
+            self._settle(LAUNCH_WAIT_S)
         self._close_pipe()
         if self._proc is not None:
             # A monitor still starting would be waited for until it has read the closed pipe;

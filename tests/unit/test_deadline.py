@@ -534,3 +534,29 @@ def test_random_walks_never_spin_and_fire_the_earliest_source() -> None:
             assert fires and fires[0].kind is Kind.STALL
         else:
             assert fires == []
+
+
+# --- the running flag the shell records without an event -----------------------------------
+
+
+def _states() -> list[dl.State]:
+    armed = dl.start(0.0, {Source.TIMEOUT: 2.0})
+    firing, _ = dl.decide(armed, dl.Tick(), 2.0)
+    fired, _ = dl.decide(firing, dl.CaptureDone(), 2.1)
+    delivered, _ = dl.decide(fired, dl.Delivered(), 2.2)
+    paused, _ = dl.decide(armed, dl.Pause(), 1.0)
+    return [armed, firing, fired, delivered, paused]
+
+
+@pytest.mark.parametrize("index", range(5), ids=["armed", "firing", "fired", "delivered", "paused"])
+@pytest.mark.parametrize("running", [True, False])
+def test_the_running_flag_recorded_without_an_event_decides_as_the_phase_events_do(
+    index: int, running: bool
+) -> None:
+    """``with_running`` then a tick decides exactly as ``PhaseStarted``/``PhaseEnded`` would."""
+    state = _states()[index]
+    event: dl.Event = dl.PhaseStarted("call") if running else dl.PhaseEnded()
+    for now in (2.3, 3.1, 3.2, 10.0):
+        assert dl.decide(dl.with_running(state, running), dl.Tick(), now) == dl.decide(
+            state, event, now
+        )
