@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,6 +247,12 @@ class Session:
         assert not self.new_shm, f"/dev/shm segments left: {self.new_shm}"
         assert not self.new_tmp, f"multiprocessing temp dirs left in TMPDIR: {self.new_tmp}"
 
+    def passed(self, test_id: str) -> bool:
+        """Whether the test ``test_id`` (``file.py::name``) passed; the session ran with ``-v``
+        or ``-rA``."""
+        out = self.result.stdout.str()
+        return f"{test_id} PASSED" in out or f"PASSED {test_id}" in out
+
     def report_of(self, test_name: str) -> str:
         """The failure text of one test in the FAILURES section, or its hang's in HANGS."""
         out = self.result.stdout.str()
@@ -355,11 +361,9 @@ def _inner_sessions_as_ours(
         monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} {ours}".strip())
 
 
-@pytest.fixture
-def guarded(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> Iterator[GuardedRunner]:
-    """Run inner pytest sessions with pytest-torchhang and collect what they left behind."""
+def _inner_environment(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Set the environment an inner session starts with; return its TMPDIR (the caller removes
+    it)."""
     monkeypatch.delenv("PYTEST_TORCH_HANG_TIMEOUT", raising=False)
     # An inner session starts as on a fresh machine, whatever an in-process session of another
     # test left in this process's environment (the dump hook's variables).
@@ -373,9 +377,80 @@ def guarded(
     # inner session leaves there is its own; a test may set another.
     tmpdir = tempfile.mkdtemp(prefix="th-")
     monkeypatch.setenv("TMPDIR", tmpdir)
+    return tmpdir
+
+
+@pytest.fixture
+def guarded(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[GuardedRunner]:
+    """Run inner pytest sessions with pytest-torchhang and collect what they left behind."""
+    tmpdir = _inner_environment(monkeypatch)
     cold = request.node.get_closest_marker("cold_start") is not None
     yield GuardedRunner(pytester, monkeypatch, warm=not cold)
     shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def batch_runner(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GuardedRunner]:
+    """A :class:`GuardedRunner` for a module-scoped (or wider) fixture: one inner session that
+    many tests share, each reading its own report from it.
+
+    Most of the end-to-end tier's time is waiting for deadlines; one session with N hanging
+    tests pays pytest's (and torch's) start-up once, and each outer test checks its own
+    scenario's report (``Session.report_of``, ``Session.passed``), so a check still fails when
+    its behaviour breaks, and still fails alone. Usage, in a test module::
+
+        pytestmark = pytest.mark.xdist_group("my_batch")  # its tests share one worker
+
+        @pytest.fixture(scope="module")
+        def batch(request, tmp_path_factory) -> Session:
+            with batch_runner(request, tmp_path_factory) as guarded:
+                guarded.pytester.makepyfile(test_a=A, test_b=B)  # distinct test names
+                return guarded.run("test_a.py", "test_b.py", "-v", timeout=2)
+
+        def test_a_hangs_with_its_hint(batch: Session) -> None:
+            assert_hang(batch, "test_a_hangs", "hint: *")
+
+    Put scenarios that leave something behind in the process (a thread, a handler) last, by
+    naming the files in order. The environment and working directory are those of ``guarded``
+    inside the ``with`` block and restored after it; the session's files stay. The
+    ``xdist_group`` marker keeps the module's tests on one worker (``--dist loadgroup``, in
+    pyproject's addopts); under another ``--dist`` each worker runs its own copy of the batch.
+    """
+    monkeypatch = pytest.MonkeyPatch()
+    scope = _WiderRequest(request)
+    try:
+        pytester = pytest.Pytester(scope, tmp_path_factory, monkeypatch, _ispytest=True)  # type: ignore[arg-type]
+        ours = "-p no:randomly -o asyncio_default_fixture_loop_scope=function"
+        monkeypatch.setenv("PYTEST_ADDOPTS", ours)  # as _inner_sessions_as_ours does
+        tmpdir = _inner_environment(monkeypatch)
+        try:
+            cold = request.node.get_closest_marker("cold_start") is not None
+            yield GuardedRunner(pytester, monkeypatch, warm=not cold)
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    finally:
+        for finalizer in reversed(scope.finalizers):  # Pytester's: sys.modules, sys.path, env
+            finalizer()
+        monkeypatch.undo()
+
+
+class _WiderRequest:
+    """What ``pytest.Pytester`` reads of its request, for a fixture of a wider scope than a
+    test's (whose ``request.function`` raises); its clean-up runs when the batch is done."""
+
+    function = None
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self.node = request.node
+        self.config = request.config
+        self.finalizers: list[Callable[[], object]] = []
+
+    def addfinalizer(self, finalizer: Callable[[], object]) -> None:
+        self.finalizers.append(finalizer)
 
 
 def assert_hang(session: Session, test_name: str, *expected: str) -> str:
