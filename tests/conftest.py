@@ -289,19 +289,90 @@ class GuardedRunner:
         faithful; the default is the test's (``cold_start`` marker: never)."""
         tag = uuid.uuid4().hex
         self.monkeypatch.setenv(TAG_ENV, tag)
+        warm = self.warm if warm is None else warm
+        return self._run(args, tag, None, timeout, wait_s, grace_s, stdin, python, warm)
+
+    def run_many(
+        self,
+        sessions: dict[str, tuple[str, ...]],
+        *,
+        at_once: int = 3,
+        dirs: dict[str, Path] | None = None,
+        **options: object,
+    ) -> dict[str, Session]:
+        """Run one inner session per entry (its pytest arguments), up to ``at_once`` of them
+        at the same time, each with a tag, a TMPDIR and a /dev/shm of its own; ``options`` as
+        :meth:`run` takes them (``python`` and ``warm`` aside: these start cold, in fresh
+        interpreters, as the warm server runs one session at a time).
+
+        For sessions that mostly wait (deadlines, hangs): the machine's cores then work on the
+        others' start-up and captures meanwhile. The sessions run in pytester's directory,
+        sharing its files (each naming its own files or tests, and its own report directory),
+        or each in its own directory of ``dirs`` (by name: a file name the checks expect in
+        every session).
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        unknown = set(options) - {"timeout", "wait_s", "grace_s", "stdin"}
+        assert not unknown, f"run_many takes no {sorted(unknown)}"
+        timeout = options.get("timeout", 2)
+        wait_s = options.get("wait_s", 180)
+        grace_s = options.get("grace_s", 10)
+        stdin = options.get("stdin")
+        assert timeout is None or isinstance(timeout, (int, float))
+        assert isinstance(wait_s, (int, float)) and isinstance(grace_s, (int, float))
+        assert stdin is None or isinstance(stdin, bytes)
+        base = dict(os.environ)
+
+        def one(name: str, args: tuple[str, ...]) -> Session:
+            cwd = (dirs or {}).get(name, self.pytester.path)
+            tag = uuid.uuid4().hex
+            tmpdir = tempfile.mkdtemp(prefix="s-", dir=base.get("TMPDIR"))
+            # as pytester's popen does: the test files' directory first on the path
+            path = os.pathsep.join(filter(None, [str(cwd), base.get("PYTHONPATH", "")]))
+            env = {**base, TAG_ENV: tag, "TMPDIR": tmpdir, "PYTHONPATH": path}
+            try:
+                return self._run(
+                    args, tag, env, timeout, wait_s, grace_s, stdin, sys.executable, False, cwd
+                )
+            finally:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+
+        with ThreadPoolExecutor(max_workers=max(1, at_once)) as pool:
+            futures = {name: pool.submit(one, name, args) for name, args in sessions.items()}
+            return {name: future.result() for name, future in futures.items()}
+
+    def _run(
+        self,
+        args: tuple[str, ...],
+        tag: str,
+        env: dict[str, str] | None,
+        timeout: float | None,
+        wait_s: float,
+        grace_s: float,
+        stdin: bytes | None,
+        python: str,
+        warm: bool,
+        cwd: Path | None = None,
+    ) -> Session:
+        """One session; ``env``: its whole environment, run cold in pytester's directory (for
+        sessions run at the same time), else this process's environment, as pytester runs."""
         shm = ShmScope(tag)
         extra = [f"--torch-hang-timeout={timeout}"] if timeout is not None else []
         # as runpytest_subprocess does, plus the private /dev/shm and stdin (a debugger needs it)
-        basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=self.pytester.path)
-        tmpdir = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())
+        basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=cwd or self.pytester.path)
+        tmpdir = Path((env or os.environ).get("TMPDIR") or tempfile.gettempdir())
         tmp_before = _mp_temp_dirs(tmpdir)
         command = shm.command(
             python, "-mpytest", f"--basetemp={basetemp}", "-p", "no:cacheprovider"
         )
-        warm = self.warm if warm is None else warm
         start = time.monotonic()
         try:
-            if warm and WARM.accepts(python, dict(os.environ)):
+            if env is not None:
+                result = _run_with_env(
+                    [*command, *extra, *args], cwd or self.pytester.path, env, wait_s, stdin
+                )
+            elif warm and WARM.accepts(python, dict(os.environ)):
                 result = WARM.run(
                     self.pytester,
                     [f"--basetemp={basetemp}", "-p", "no:cacheprovider", *extra, *args],
@@ -336,6 +407,42 @@ class GuardedRunner:
                     proc.kill()
             shm.close()
         return Session(result, wall, leftovers, new_shm, new_tmp)
+
+
+def _run_with_env(
+    argv: list[str], cwd: Path, env: dict[str, str], wait_s: float, stdin: bytes | None
+) -> pytest.RunResult:
+    """``argv`` in ``cwd`` with ``env``, as ``pytester.run`` runs it (which takes neither)."""
+    start = time.monotonic()
+    with tempfile.TemporaryFile(dir=cwd) as out, tempfile.TemporaryFile(dir=cwd) as err:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+        )
+        try:
+            proc.communicate(stdin, timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise pytest.Pytester.TimeoutExpired(
+                f"{wait_s} second timeout expired running: {argv}"
+            ) from None
+        lines = []
+        for stream in (out, err):
+            stream.seek(0)
+            lines.append(stream.read().decode("utf8", errors="replace").splitlines())
+    for line in lines[0]:
+        print(line)  # as pytester echoes a session's output: pytest shows it on failure
+    for line in lines[1]:
+        print(line, file=sys.stderr)
+    ret: int | pytest.ExitCode = proc.returncode
+    with contextlib.suppress(ValueError):
+        ret = pytest.ExitCode(proc.returncode)
+    return pytest.RunResult(ret, lines[0], lines[1], time.monotonic() - start)
 
 
 def _mp_temp_dirs(directory: Path) -> set[str]:
