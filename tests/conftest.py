@@ -77,6 +77,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: Test files whose tests share batched inner sessions (``batch_runner``): under pytest-xdist
+#: each runs whole on one worker, so its batch runs once. (pytest-xdist's own ``--dist
+#: loadgroup`` does not group under pytest 9: it renames ``item._nodeid``, which pytest 9.2 no
+#: longer reads; seen with pytest-xdist 3.8.)
+BATCHED = (
+    "tests/test_asyncio_hangs.py",
+    "tests/test_diagnosis_corpus.py",
+    "tests/test_interaction_matrix.py",
+    "tests/test_user_world.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist load`` with each file of ``BATCHED`` one unit of work; every other test is a
+    unit of its own, as under ``load``."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class BatchedFiles(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return file if file in BATCHED else nodeid
+
+    return BatchedFiles(config, log)
+
+
 def _die_with_parent() -> None:
     import ctypes
 
@@ -508,9 +536,8 @@ def batch_runner(
     Most of the end-to-end tier's time is waiting for deadlines; one session with N hanging
     tests pays pytest's (and torch's) start-up once, and each outer test checks its own
     scenario's report (``Session.report_of``, ``Session.passed``), so a check still fails when
-    its behaviour breaks, and still fails alone. Usage, in a test module::
-
-        pytestmark = pytest.mark.xdist_group("my_batch")  # its tests share one worker
+    its behaviour breaks, and still fails alone. Usage, in a test module (listed in
+    ``BATCHED``, so that its tests share one worker)::
 
         @pytest.fixture(scope="module")
         def batch(request, tmp_path_factory) -> Session:
@@ -522,10 +549,17 @@ def batch_runner(
             assert_hang(batch, "test_a_hangs", "hint: *")
 
     Put scenarios that leave something behind in the process (a thread, a handler) last, by
-    naming the files in order. The environment and working directory are those of ``guarded``
-    inside the ``with`` block and restored after it; the session's files stay. The
-    ``xdist_group`` marker keeps the module's tests on one worker (``--dist loadgroup``, in
-    pyproject's addopts); under another ``--dist`` each worker runs its own copy of the batch.
+    naming the files in order. Scenarios that need sessions of different settings (options, a
+    deadline source, xdist) share one fixture too: ``guarded.run_many({name: args, ...})`` runs
+    them a few at a time and each test reads ``sessions[name]`` (see test_interaction_matrix.py,
+    test_diagnosis_corpus.py); keep a session whose timing is fragile under load (a zygote
+    importing torch under a short deadline) alone (``at_once=1``).
+
+    The environment and working directory are those of ``guarded`` inside the ``with`` block
+    and restored after it; the session's files stay. Under pytest-xdist's ``-n`` (``--dist
+    load``, the default) a file of ``BATCHED`` runs whole on one worker
+    (``pytest_xdist_make_scheduler``); under another ``--dist``, each worker that runs some of
+    its tests runs its own copy of the batch: slower, never wrong.
     """
     monkeypatch = pytest.MonkeyPatch()
     scope = _WiderRequest(request)

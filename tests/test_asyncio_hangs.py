@@ -24,8 +24,6 @@ from asyncio_scenarios import (
 from conftest import GuardedRunner, Session, assert_hang, batch_runner
 from outcomes import assert_outcomes
 
-pytestmark = pytest.mark.xdist_group("asyncio_hangs")
-
 #: Inner sessions without pytest-rerunfailures' server thread, which could end any wait.
 ALONE = ("-p", "no:rerunfailures")
 #: The batch's order: the scenario that leaves a thread running in pytest (a bystander that

@@ -17,7 +17,6 @@ from outcomes import assert_outcomes
 
 pytestmark = [
     pytest.mark.needs_torch,
-    pytest.mark.xdist_group("diagnosis_corpus"),
     pytest.mark.skipif(
         importlib.util.find_spec("torch") is None, reason="needs torch, which is not installed"
     ),
@@ -366,8 +365,10 @@ DEADLINE_S = {"loading": 3.0, "sharing": 3.0, "distributed": 3.0, "waits": 3.0}
 #: few times.
 CHUNK = 9
 #: Chunks' sessions run at the same time (``chunk_sessions``): each mostly waits for its
-#: deadlines (torch is imported at collection, before a scenario's clock starts).
-AT_ONCE = 3
+#: deadlines (torch is imported at collection, before a scenario's clock starts). Not more: a
+#: rank that computes must get the CPU to be seen busy (seen, at load 8 with six at once: a
+#: computing rank taken for one stuck before its collective).
+AT_ONCE = 2
 
 
 def _chunks() -> dict[str, list[str]]:

@@ -10,7 +10,7 @@ from conftest import GuardedRunner, Session, batch_runner
 from matrix_scenarios import MODULE, Cell, Group, passed_tests, verdict
 from outcomes import assert_outcomes
 
-pytestmark = [pytest.mark.needs_torch, pytest.mark.xdist_group("interaction_matrix")]
+pytestmark = pytest.mark.needs_torch
 
 
 def _marker(seconds: float) -> str:

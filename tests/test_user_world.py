@@ -22,7 +22,6 @@ from outcomes import assert_outcomes
 pytest.importorskip("freezegun")
 pytest.importorskip("time_machine")
 
-pytestmark = pytest.mark.xdist_group("user_world")
 
 TIMEOUT_S = 3.0
 SLEEP_S = 1.5
