@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +75,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Keep N CPU-bound processes running beside the suite, as on a busy CI runner "
         "(tox -e stress runs it with 2)",
     )
+
+
+#: Test files whose tests share batched inner sessions (``batch_runner``): under pytest-xdist
+#: each runs whole on one worker, so its batch runs once. (pytest-xdist's own ``--dist
+#: loadgroup`` does not group under pytest 9: it renames ``item._nodeid``, which pytest 9.2 no
+#: longer reads; seen with pytest-xdist 3.8.)
+BATCHED = (
+    "tests/test_asyncio_hangs.py",
+    "tests/test_diagnosis_corpus.py",
+    "tests/test_interaction_matrix.py",
+    "tests/test_user_world.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist load`` with each file of ``BATCHED`` one unit of work; every other test is a
+    unit of its own, as under ``load``."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class BatchedFiles(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return file if file in BATCHED else nodeid
+
+    return BatchedFiles(config, log)
 
 
 def _die_with_parent() -> None:
@@ -247,6 +275,12 @@ class Session:
         assert not self.new_shm, f"/dev/shm segments left: {self.new_shm}"
         assert not self.new_tmp, f"multiprocessing temp dirs left in TMPDIR: {self.new_tmp}"
 
+    def passed(self, test_id: str) -> bool:
+        """Whether the test ``test_id`` (``file.py::name``) passed; the session ran with ``-v``
+        or ``-rA``."""
+        out = self.result.stdout.str()
+        return f"{test_id} PASSED" in out or f"PASSED {test_id}" in out
+
     def report_of(self, test_name: str) -> str:
         """The failure text of one test in the FAILURES section, or its hang's in HANGS."""
         out = self.result.stdout.str()
@@ -283,19 +317,90 @@ class GuardedRunner:
         faithful; the default is the test's (``cold_start`` marker: never)."""
         tag = uuid.uuid4().hex
         self.monkeypatch.setenv(TAG_ENV, tag)
+        warm = self.warm if warm is None else warm
+        return self._run(args, tag, None, timeout, wait_s, grace_s, stdin, python, warm)
+
+    def run_many(
+        self,
+        sessions: dict[str, tuple[str, ...]],
+        *,
+        at_once: int = 3,
+        dirs: dict[str, Path] | None = None,
+        **options: object,
+    ) -> dict[str, Session]:
+        """Run one inner session per entry (its pytest arguments), up to ``at_once`` of them
+        at the same time, each with a tag, a TMPDIR and a /dev/shm of its own; ``options`` as
+        :meth:`run` takes them (``python`` and ``warm`` aside: these start cold, in fresh
+        interpreters, as the warm server runs one session at a time).
+
+        For sessions that mostly wait (deadlines, hangs): the machine's cores then work on the
+        others' start-up and captures meanwhile. The sessions run in pytester's directory,
+        sharing its files (each naming its own files or tests, and its own report directory),
+        or each in its own directory of ``dirs`` (by name: a file name the checks expect in
+        every session).
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        unknown = set(options) - {"timeout", "wait_s", "grace_s", "stdin"}
+        assert not unknown, f"run_many takes no {sorted(unknown)}"
+        timeout = options.get("timeout", 2)
+        wait_s = options.get("wait_s", 180)
+        grace_s = options.get("grace_s", 10)
+        stdin = options.get("stdin")
+        assert timeout is None or isinstance(timeout, (int, float))
+        assert isinstance(wait_s, (int, float)) and isinstance(grace_s, (int, float))
+        assert stdin is None or isinstance(stdin, bytes)
+        base = dict(os.environ)
+
+        def one(name: str, args: tuple[str, ...]) -> Session:
+            cwd = (dirs or {}).get(name, self.pytester.path)
+            tag = uuid.uuid4().hex
+            tmpdir = tempfile.mkdtemp(prefix="s-", dir=base.get("TMPDIR"))
+            # as pytester's popen does: the test files' directory first on the path
+            path = os.pathsep.join(filter(None, [str(cwd), base.get("PYTHONPATH", "")]))
+            env = {**base, TAG_ENV: tag, "TMPDIR": tmpdir, "PYTHONPATH": path}
+            try:
+                return self._run(
+                    args, tag, env, timeout, wait_s, grace_s, stdin, sys.executable, False, cwd
+                )
+            finally:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+
+        with ThreadPoolExecutor(max_workers=max(1, at_once)) as pool:
+            futures = {name: pool.submit(one, name, args) for name, args in sessions.items()}
+            return {name: future.result() for name, future in futures.items()}
+
+    def _run(
+        self,
+        args: tuple[str, ...],
+        tag: str,
+        env: dict[str, str] | None,
+        timeout: float | None,
+        wait_s: float,
+        grace_s: float,
+        stdin: bytes | None,
+        python: str,
+        warm: bool,
+        cwd: Path | None = None,
+    ) -> Session:
+        """One session; ``env``: its whole environment, run cold in pytester's directory (for
+        sessions run at the same time), else this process's environment, as pytester runs."""
         shm = ShmScope(tag)
         extra = [f"--torch-hang-timeout={timeout}"] if timeout is not None else []
         # as runpytest_subprocess does, plus the private /dev/shm and stdin (a debugger needs it)
-        basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=self.pytester.path)
-        tmpdir = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())
+        basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=cwd or self.pytester.path)
+        tmpdir = Path((env or os.environ).get("TMPDIR") or tempfile.gettempdir())
         tmp_before = _mp_temp_dirs(tmpdir)
         command = shm.command(
             python, "-mpytest", f"--basetemp={basetemp}", "-p", "no:cacheprovider"
         )
-        warm = self.warm if warm is None else warm
         start = time.monotonic()
         try:
-            if warm and WARM.accepts(python, dict(os.environ)):
+            if env is not None:
+                result = _run_with_env(
+                    [*command, *extra, *args], cwd or self.pytester.path, env, wait_s, stdin
+                )
+            elif warm and WARM.accepts(python, dict(os.environ)):
                 result = WARM.run(
                     self.pytester,
                     [f"--basetemp={basetemp}", "-p", "no:cacheprovider", *extra, *args],
@@ -332,6 +437,42 @@ class GuardedRunner:
         return Session(result, wall, leftovers, new_shm, new_tmp)
 
 
+def _run_with_env(
+    argv: list[str], cwd: Path, env: dict[str, str], wait_s: float, stdin: bytes | None
+) -> pytest.RunResult:
+    """``argv`` in ``cwd`` with ``env``, as ``pytester.run`` runs it (which takes neither)."""
+    start = time.monotonic()
+    with tempfile.TemporaryFile(dir=cwd) as out, tempfile.TemporaryFile(dir=cwd) as err:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+        )
+        try:
+            proc.communicate(stdin, timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise pytest.Pytester.TimeoutExpired(
+                f"{wait_s} second timeout expired running: {argv}"
+            ) from None
+        lines = []
+        for stream in (out, err):
+            stream.seek(0)
+            lines.append(stream.read().decode("utf8", errors="replace").splitlines())
+    for line in lines[0]:
+        print(line)  # as pytester echoes a session's output: pytest shows it on failure
+    for line in lines[1]:
+        print(line, file=sys.stderr)
+    ret: int | pytest.ExitCode = proc.returncode
+    with contextlib.suppress(ValueError):
+        ret = pytest.ExitCode(proc.returncode)
+    return pytest.RunResult(ret, lines[0], lines[1], time.monotonic() - start)
+
+
 def _mp_temp_dirs(directory: Path) -> set[str]:
     """multiprocessing's temp dirs in ``directory`` (``util.get_temp_dir``: ``pymp-*``)."""
     try:
@@ -355,11 +496,9 @@ def _inner_sessions_as_ours(
         monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} {ours}".strip())
 
 
-@pytest.fixture
-def guarded(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> Iterator[GuardedRunner]:
-    """Run inner pytest sessions with pytest-torchhang and collect what they left behind."""
+def _inner_environment(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Set the environment an inner session starts with; return its TMPDIR (the caller removes
+    it)."""
     monkeypatch.delenv("PYTEST_TORCH_HANG_TIMEOUT", raising=False)
     # An inner session starts as on a fresh machine, whatever an in-process session of another
     # test left in this process's environment (the dump hook's variables).
@@ -373,9 +512,86 @@ def guarded(
     # inner session leaves there is its own; a test may set another.
     tmpdir = tempfile.mkdtemp(prefix="th-")
     monkeypatch.setenv("TMPDIR", tmpdir)
+    return tmpdir
+
+
+@pytest.fixture
+def guarded(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[GuardedRunner]:
+    """Run inner pytest sessions with pytest-torchhang and collect what they left behind."""
+    tmpdir = _inner_environment(monkeypatch)
     cold = request.node.get_closest_marker("cold_start") is not None
     yield GuardedRunner(pytester, monkeypatch, warm=not cold)
     shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def batch_runner(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GuardedRunner]:
+    """A :class:`GuardedRunner` for a module-scoped (or wider) fixture: one inner session that
+    many tests share, each reading its own report from it.
+
+    Most of the end-to-end tier's time is waiting for deadlines; one session with N hanging
+    tests pays pytest's (and torch's) start-up once, and each outer test checks its own
+    scenario's report (``Session.report_of``, ``Session.passed``), so a check still fails when
+    its behaviour breaks, and still fails alone. Usage, in a test module (listed in
+    ``BATCHED``, so that its tests share one worker)::
+
+        @pytest.fixture(scope="module")
+        def batch(request, tmp_path_factory) -> Session:
+            with batch_runner(request, tmp_path_factory) as guarded:
+                guarded.pytester.makepyfile(test_a=A, test_b=B)  # distinct test names
+                return guarded.run("test_a.py", "test_b.py", "-v", timeout=2)
+
+        def test_a_hangs_with_its_hint(batch: Session) -> None:
+            assert_hang(batch, "test_a_hangs", "hint: *")
+
+    Put scenarios that leave something behind in the process (a thread, a handler) last, by
+    naming the files in order. Scenarios that need sessions of different settings (options, a
+    deadline source, xdist) share one fixture too: ``guarded.run_many({name: args, ...})`` runs
+    them a few at a time and each test reads ``sessions[name]`` (see test_interaction_matrix.py,
+    test_diagnosis_corpus.py); keep a session whose timing is fragile under load (a zygote
+    importing torch under a short deadline) alone (``at_once=1``).
+
+    The environment and working directory are those of ``guarded`` inside the ``with`` block
+    and restored after it; the session's files stay. Under pytest-xdist's ``-n`` (``--dist
+    load``, the default) a file of ``BATCHED`` runs whole on one worker
+    (``pytest_xdist_make_scheduler``); under another ``--dist``, each worker that runs some of
+    its tests runs its own copy of the batch: slower, never wrong.
+    """
+    monkeypatch = pytest.MonkeyPatch()
+    scope = _WiderRequest(request)
+    try:
+        pytester = pytest.Pytester(scope, tmp_path_factory, monkeypatch, _ispytest=True)  # type: ignore[arg-type]
+        ours = "-p no:randomly -o asyncio_default_fixture_loop_scope=function"
+        monkeypatch.setenv("PYTEST_ADDOPTS", ours)  # as _inner_sessions_as_ours does
+        tmpdir = _inner_environment(monkeypatch)
+        try:
+            cold = request.node.get_closest_marker("cold_start") is not None
+            yield GuardedRunner(pytester, monkeypatch, warm=not cold)
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    finally:
+        for finalizer in reversed(scope.finalizers):  # Pytester's: sys.modules, sys.path, env
+            finalizer()
+        monkeypatch.undo()
+
+
+class _WiderRequest:
+    """What ``pytest.Pytester`` reads of its request, for a fixture of a wider scope than a
+    test's (whose ``request.function`` raises); its clean-up runs when the batch is done."""
+
+    function = None
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self.node = request.node
+        self.config = request.config
+        self.finalizers: list[Callable[[], object]] = []
+
+    def addfinalizer(self, finalizer: Callable[[], object]) -> None:
+        self.finalizers.append(finalizer)
 
 
 def assert_hang(session: Session, test_name: str, *expected: str) -> str:

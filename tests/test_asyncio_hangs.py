@@ -1,28 +1,37 @@
 """asyncio hangs (pytest-asyncio): each pending task's coroutine stack in the report, a hint that
-says nothing will end the wait only when nothing can, and a session that goes on."""
+says nothing will end the wait only when nothing can, and a session that goes on.
+
+Every scenario module runs in one inner session (``batch``), each test here reading its own
+scenario's report from it: ten hangs of 2 s pay pytest's start-up once. The settings that differ
+(pytest-timeout's option, xdist) get sessions of their own."""
 
 from __future__ import annotations
 
 import pytest
 
 from asyncio_scenarios import (
-    BLOCKED,
     CHILD,
     EVENT,
     FIXTURE,
     GATHER_LOCK,
     INI,
     MODULE_LOOP,
+    MODULES,
     OTHER_THREAD,
     QUEUE,
     SYNC_RUN,
-    TIMED,
 )
-from conftest import GuardedRunner, Session, assert_hang
+from conftest import GuardedRunner, Session, assert_hang, batch_runner
 from outcomes import assert_outcomes
 
 #: Inner sessions without pytest-rerunfailures' server thread, which could end any wait.
 ALONE = ("-p", "no:rerunfailures")
+#: The batch's order: the scenario that leaves a thread running in pytest (a bystander that
+#: could end any wait, which the other hints must not count on) comes last.
+ORDER = sorted(MODULES, key=lambda name: name == "test_other_thread")
+#: Hangs and passes of the whole batch, by scenario module.
+HANGS = {"test_child": 2, "test_fixture": 2}
+PASSES = {"test_event": 1, "test_module_loop": 1, "test_sync_run": 1}
 
 
 def _line(source: str, text: str, after: str = "") -> int:
@@ -41,14 +50,38 @@ def _session(guarded: GuardedRunner, source: str, *args: str, **kwargs: object) 
     return session
 
 
+@pytest.fixture(scope="module")
+def batch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Session:
+    """Every scenario module in one session, under ``--torch-hang-timeout=2``."""
+    with batch_runner(request, tmp_path_factory) as guarded:
+        guarded.pytester.makeini(INI)
+        guarded.pytester.makepyfile(**MODULES)
+        return guarded.run(*ALONE, "-v", *(f"{name}.py" for name in ORDER), wait_s=300)
+
+
+def _passed(session: Session, module: str, test_name: str) -> None:
+    assert session.passed(f"{module}.py::{test_name}"), session.text[-6000:]
+
+
+def test_the_batch_hangs_each_scenario_once_runs_the_next_tests_and_leaves_nothing(
+    batch: Session,
+) -> None:
+    assert "PytestDeprecationWarning" not in batch.text  # the loop scope is set: no warning
+    assert_outcomes(
+        batch.result,
+        hang=sum(HANGS.get(name, 1) for name in MODULES),
+        passed=sum(PASSES.values()),
+    )
+    batch.assert_clean()
+
+
 def test_an_awaited_event_nobody_sets_is_a_hang_with_its_task_and_the_next_async_test_runs(
-    guarded: GuardedRunner,
+    batch: Session,
 ) -> None:
     line = _line(EVENT, "await event.wait()")
-    session = _session(guarded, EVENT, *ALONE)
-    assert_outcomes(session.result, hang=1, passed=1)
+    _passed(batch, "test_event", "test_the_next_async_test_runs")
     assert_hang(
-        session,
+        batch,
         "test_awaits_an_event_nobody_sets",
         "hint: pytest (pid *): test_awaits_an_event_nobody_sets awaits Event.wait() in task "
         f"'Task-*' at test_*.py:{line} (the event is not set); nothing in the process will set "
@@ -61,17 +94,14 @@ def test_an_awaited_event_nobody_sets_is_a_hang_with_its_task_and_the_next_async
         f'        File "*test_*.py", line {line}, in test_awaits_an_event_nobody_sets',
         "            await event.wait()",
     )
-    session.assert_clean()
 
 
 def test_another_thread_of_the_process_keeps_the_hint_from_saying_nothing_will_set_it(
-    guarded: GuardedRunner,
+    batch: Session,
 ) -> None:
     line = _line(OTHER_THREAD, "await asyncio.Event().wait()")
-    session = _session(guarded, OTHER_THREAD, *ALONE)
-    assert_outcomes(session.result, hang=1)
     report = assert_hang(
-        session,
+        batch,
         "test_awaits_an_event_beside_another_thread",
         "hint: pytest (pid *): test_awaits_an_event_beside_another_thread awaits Event.wait() in "
         f"task 'Task-*' at test_*.py:{line} (the event is not set). Its event loop has nothing "
@@ -81,11 +111,9 @@ def test_another_thread_of_the_process_keeps_the_hint_from_saying_nothing_will_s
     assert "nothing in the process will" not in report
 
 
-def test_a_wait_with_a_timeout_is_not_called_endless(guarded: GuardedRunner) -> None:
-    session = _session(guarded, TIMED, *ALONE)
-    assert_outcomes(session.result, hang=1)
+def test_a_wait_with_a_timeout_is_not_called_endless(batch: Session) -> None:
     report = assert_hang(
-        session,
+        batch,
         "test_awaits_an_event_with_a_long_timeout",
         "hint: pytest (pid *): * awaits Event.wait()* (the event is not set). Its event loop may "
         "still be woken by 1 timer(s).",
@@ -95,12 +123,10 @@ def test_a_wait_with_a_timeout_is_not_called_endless(guarded: GuardedRunner) -> 
 
 
 def test_a_task_blocking_the_loops_thread_is_named_and_no_wait_is_called_endless(
-    guarded: GuardedRunner,
+    batch: Session,
 ) -> None:
-    session = _session(guarded, BLOCKED, *ALONE)
-    assert_outcomes(session.result, hang=1)
     report = assert_hang(
-        session,
+        batch,
         "test_awaits_an_event_a_blocking_task_would_set",
         "hint: pytest (pid *): test_awaits_an_event_a_blocking_task_would_set awaits Event.wait() "
         "in task 'Task-*' at test_*.py:* (the event is not set). Its event loop is running task "
@@ -112,12 +138,11 @@ def test_a_task_blocking_the_loops_thread_is_named_and_no_wait_is_called_endless
 
 
 def test_a_hang_on_a_module_scoped_loop_leaves_it_running_the_next_test(
-    guarded: GuardedRunner,
+    batch: Session,
 ) -> None:
-    session = _session(guarded, MODULE_LOOP)
-    assert_outcomes(session.result, hang=1, passed=1)
+    _passed(batch, "test_module_loop", "test_the_module_loop_still_runs_the_next_test")
     assert_hang(
-        session,
+        batch,
         "test_awaits_an_event_on_the_module_loop",
         "hint: pytest (pid *): test_awaits_an_event_on_the_module_loop awaits Event.wait() in "
         f"task 'Task-*' at test_*.py:{_line(MODULE_LOOP, 'await asyncio.Event().wait()')} "
@@ -126,12 +151,10 @@ def test_a_hang_on_a_module_scoped_loop_leaves_it_running_the_next_test(
 
 
 def test_a_task_awaiting_a_queue_nobody_fills_is_shown_below_the_test_task_awaiting_it(
-    guarded: GuardedRunner,
+    batch: Session,
 ) -> None:
-    session = _session(guarded, QUEUE, *ALONE)
-    assert_outcomes(session.result, hang=1)
     report = assert_hang(
-        session,
+        batch,
         "test_awaits_a_queue_nobody_fills",
         "HANG after *s in *::test_awaits_a_queue_nobody_fills: 1 process, stuck in Queue.get() "
         "(asyncio task 'consumer')",
@@ -146,14 +169,12 @@ def test_a_task_awaiting_a_queue_nobody_fills_is_shown_below_the_test_task_await
 
 
 def test_a_gather_where_one_task_awaits_the_others_lock_names_both_and_who_refers_to_it(
-    guarded: GuardedRunner,
+    batch: Session,
 ) -> None:
     held = _line(GATHER_LOCK, "await release.wait()")
     waits = _line(GATHER_LOCK, "async with lock:", "async def waiter")
-    session = _session(guarded, GATHER_LOCK, *ALONE)
-    assert_outcomes(session.result, hang=1)
     assert_hang(
-        session,
+        batch,
         "test_a_gather_where_one_task_awaits_the_others_lock",
         f"hint: pytest (pid *): holder awaits Event.wait() in task 'holder' at test_*.py:{held} "
         "(the event is not set); nothing in the process will set it; waiter awaits "
@@ -166,12 +187,11 @@ def test_a_gather_where_one_task_awaits_the_others_lock_names_both_and_who_refer
 
 
 def test_a_sync_test_whose_asyncio_run_hangs_is_a_hang_and_the_next_test_runs(
-    guarded: GuardedRunner,
+    batch: Session,
 ) -> None:
-    session = _session(guarded, SYNC_RUN, *ALONE)
-    assert_outcomes(session.result, hang=1, passed=1)
+    _passed(batch, "test_sync_run", "test_the_next_test_runs")
     assert_hang(
-        session,
+        batch,
         "test_a_sync_test_whose_asyncio_run_hangs",
         "hint: pytest (pid *): wait_for_ever awaits Event.wait() in task 'Task-*' at "
         f"test_*.py:{_line(SYNC_RUN, 'await asyncio.Event().wait()')} (the event is not set); "
@@ -180,13 +200,12 @@ def test_a_sync_test_whose_asyncio_run_hangs_is_a_hang_and_the_next_test_runs(
 
 
 def test_an_async_fixture_stuck_in_setup_and_an_async_generator_show_their_own_frames(
-    guarded: GuardedRunner,
+    batch: Session,
 ) -> None:
-    session = _session(guarded, FIXTURE, *ALONE)
-    assert_outcomes(session.result, hang=2)  # a hang in setup counts as a hang
+    # a hang in setup counts as a hang: the batch's count holds it (HANGS)
     fixture = _line(FIXTURE, "await asyncio.Event().wait()")
     assert_hang(
-        session,
+        batch,
         "test_uses_a_fixture_that_never_connects",
         "HANG after *s in *::test_uses_a_fixture_that_never_connects (during setup): 1 process, "
         "stuck in Event.wait() (asyncio task 'Task-*')",
@@ -195,7 +214,7 @@ def test_an_async_fixture_stuck_in_setup_and_an_async_generator_show_their_own_f
         f'        File "*test_*.py", line {fixture}, in connection',
     )
     assert_hang(
-        session,
+        batch,
         "test_iterates_an_async_generator_that_never_yields",
         "hint: pytest (pid *): ticks awaits Queue.get() in task 'Task-*' at "
         f"test_*.py:{_line(FIXTURE, 'yield await queue.get()')} (the queue is empty)*",
@@ -203,11 +222,9 @@ def test_an_async_fixture_stuck_in_setup_and_an_async_generator_show_their_own_f
     )
 
 
-def test_children_whose_loops_are_stuck_answer_with_their_tasks(guarded: GuardedRunner) -> None:
-    session = _session(guarded, CHILD, *ALONE)
-    assert_outcomes(session.result, hang=2)
+def test_children_whose_loops_are_stuck_answer_with_their_tasks(batch: Session) -> None:
     assert_hang(
-        session,
+        batch,
         "test_a_child_process_whose_loop_is_stuck",
         "HANG after *s in *: 2 processes, 1 stuck in Python child Event.wait() (asyncio task "
         "'server')",
@@ -216,26 +233,26 @@ def test_children_whose_loops_are_stuck_answer_with_their_tasks(guarded: Guarded
         "      task 'server' (serve) awaits Event.wait() [[]not set[]] (most recent call first):",
     )
     assert_hang(
-        session,
+        batch,
         "test_a_forked_child_whose_loop_is_stuck",
         "hint: multiprocessing.Process(target=forked_loop) (pid *): serve awaits Event.wait() in "
         f"task 'Task-*' at test_*.py:{_line(CHILD, 'await ready.wait()', 'def test_a_child')} "
         "(the event is not set); nothing in the process will set it.*",
     )
-    session.assert_clean()
 
 
-@pytest.mark.parametrize("option", ["--timeout=2", "--torch-hang-timeout=2"])
 def test_pytest_timeouts_option_shows_the_tasks_as_ours_does(
-    guarded: GuardedRunner, option: str
+    guarded: GuardedRunner, batch: Session
 ) -> None:
-    session = _session(guarded, EVENT, option, *ALONE, timeout=None)
+    session = _session(guarded, EVENT, "--timeout=2", *ALONE, timeout=None)
     assert_outcomes(session.result, hang=1, passed=1)
-    assert_hang(
-        session,
-        "test_awaits_an_event_nobody_sets",
-        "      task 'Task-*' (test_awaits_an_event_nobody_sets) awaits Event.wait() [[]not set[]]*",
-    )
+    for each in (session, batch):  # the batch ran under --torch-hang-timeout=2
+        assert_hang(
+            each,
+            "test_awaits_an_event_nobody_sets",
+            "      task 'Task-*' (test_awaits_an_event_nobody_sets) awaits Event.wait() "
+            "[[]not set[]]*",
+        )
 
 
 def test_under_xdist_the_workers_tasks_reach_the_controllers_report(guarded: GuardedRunner) -> None:

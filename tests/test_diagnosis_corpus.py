@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import GuardedRunner
+from conftest import Session, batch_runner
 from outcomes import assert_outcomes
 
 pytestmark = [
@@ -473,9 +473,14 @@ DEADLINE_S = {
 }
 
 #: Scenarios run per inner session: each hangs until its deadline, so a chunk takes about
-#: half a minute and pytest-xdist spreads the chunks over its workers, while each session's
-#: start (pytest, the plugin, torch: 2-3 s) is paid only a few times.
+#: half a minute, while each session's start (pytest, the plugin, torch: 2-3 s) is paid only a
+#: few times.
 CHUNK = 9
+#: Chunks' sessions run at the same time (``chunk_sessions``): each mostly waits for its
+#: deadlines (torch is imported at collection, before a scenario's clock starts). Not more: a
+#: rank that computes must get the CPU to be seen busy (seen, at load 8 with six at once: a
+#: computing rank taken for one stuck before its collective).
+AT_ONCE = 2
 
 
 def _chunks() -> dict[str, list[str]]:
@@ -506,21 +511,34 @@ def test_every_scenario_of_the_corpus_is_labelled_and_every_label_has_its_scenar
     assert all(0 < len(chunk) <= CHUNK for chunk in chunks)
 
 
+@pytest.fixture(scope="module")
+def chunk_sessions(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Session, Path]]:
+    """Every chunk's session and its report directory; the sessions share the corpus files."""
+    scenarios = _scenarios()
+    with batch_runner(request, tmp_path_factory) as guarded:
+        files = {f"test_{p.stem}": p.read_text() for p in sorted(CORPUS.glob("corpus_*.py"))}
+        guarded.pytester.makepyfile(**files)
+        reports = {chunk: guarded.pytester.path / f"reports-{chunk}" for chunk in _chunks()}
+        args = {
+            chunk: (
+                f"--torch-hang-timeout={DEADLINE_S[chunk.split('-')[0]]}",
+                f"--torch-hang-report-dir={reports[chunk]}",
+                *(scenarios[n] for n in names),
+            )
+            for chunk, names in _chunks().items()
+        }
+        sessions = guarded.run_many(args, at_once=AT_ONCE, timeout=None, wait_s=600)
+    return {chunk: (sessions[chunk], reports[chunk]) for chunk in _chunks()}
+
+
 @pytest.mark.parametrize("chunk", list(_chunks()))
 def test_every_rule_is_right_or_silent_on_the_corpus_of_real_hangs(
-    guarded: GuardedRunner, chunk: str
+    chunk_sessions: dict[str, tuple[Session, Path]], chunk: str
 ) -> None:
     names = _chunks()[chunk]
-    scenarios = _scenarios()
-    files = {f"test_{p.stem}": p.read_text() for p in sorted(CORPUS.glob("corpus_*.py"))}
-    guarded.pytester.makepyfile(**files)
-    reports = guarded.pytester.path / "reports"
-    session = guarded.run(
-        f"--torch-hang-report-dir={reports}",
-        *(scenarios[n] for n in names),
-        timeout=DEADLINE_S[chunk.split("-")[0]],
-        wait_s=600,
-    )
+    session, reports = chunk_sessions[chunk]
     docs = _reports(reports)
     # every scenario hangs, and is reported once as the hang of its own test
     assert_outcomes(session.result, hang=len(names))

@@ -161,7 +161,9 @@ def test_a_hunt_needs_a_bound(pytester: pytest.Pytester) -> None:
     )
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "many"])
+#: One value through a real session: the fast tier checks every bad count's message
+#: (tests/unit/test_settings.py, test_a_bad_hunt_count_is_a_usage_error).
+@pytest.mark.parametrize("value", ["many"])
 def test_a_bad_run_count_is_a_usage_error(pytester: pytest.Pytester, value: str) -> None:
     pytester.makepyfile(test_x="def test_x():\n    pass\n")
     result = pytester.runpytest_subprocess(f"--torch-hang-hunt={value}", "--torch-hang-timeout=5")

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import GuardedRunner, Session
+from conftest import GuardedRunner, Session, batch_runner
 from matrix_scenarios import MODULE, Cell, Group, passed_tests, verdict
 from outcomes import assert_outcomes
 
@@ -18,7 +18,8 @@ def _marker(seconds: float) -> str:
 
 
 #: Each group is one inner session (torch costs 3-6 s a session here); its cells are checked one
-#: by one, so a failing cell never hides another's verdict. A session whose tests request the
+#: by one, so a failing cell never hides another's verdict. The groups' sessions mostly wait for
+#: their deadlines, so they run AT_ONCE at a time (``sessions``). A session whose tests request the
 #: torch_hang fixture is set up differently from one whose tests do not, so the two kinds of cell
 #: never share a session: each is seen as a user would meet it alone. Deadlines sit well above
 #: what a cell does before it hangs: torch is imported at collection, before any test's clock
@@ -124,12 +125,45 @@ def _run(guarded: GuardedRunner, module: str, *args: str, timeout: float | None)
     return guarded.run("-p", "no:randomly", "-rA", *args, timeout=timeout, wait_s=150)
 
 
+#: Groups' sessions run two at a time: each is a pytest (two more under xdist) that imports
+#: torch at collection and then mostly waits. The groups whose cells use the torch_hang fixture
+#: run alone, after the others: their zygote imports torch while a test's clock is paused, and
+#: with another torch session beside it (seen: the stall fired in setup, a call's deadline came
+#: at 0.7 s of its 4 s) their timing no longer held.
+AT_ONCE = 2
+ALONE = tuple(name for name in GROUPS if name.startswith("fixture-"))
+
+
+@pytest.fixture(scope="module")
+def sessions(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Session]:
+    """Every group's session, each in a directory of its own (the cells' module has one name)."""
+    with batch_runner(request, tmp_path_factory) as guarded:
+        dirs, args = {}, {}
+        for name, group in GROUPS.items():
+            dirs[name] = guarded.pytester.mkdir(name)
+            (dirs[name] / f"{MODULE}.py").write_text(group.module().strip() + "\n")
+            timeout = (
+                ()
+                if group.plugin_timeout is None
+                else (f"--torch-hang-timeout={group.plugin_timeout}",)
+            )
+            # as _run: -rA lists every passing test by name
+            args[name] = ("-p", "no:randomly", "-rA", *timeout, *group.args)
+        shared = {name: a for name, a in args.items() if name not in ALONE}
+        sessions = guarded.run_many(shared, at_once=AT_ONCE, dirs=dirs, timeout=None, wait_s=150)
+        alone = {name: args[name] for name in ALONE}
+        sessions |= guarded.run_many(alone, at_once=1, dirs=dirs, timeout=None, wait_s=150)
+        return sessions
+
+
 @pytest.mark.parametrize("name", list(GROUPS))
 def test_each_cell_fires_the_right_kind_on_time_once_with_its_frames_and_the_session_goes_on(
-    guarded: GuardedRunner, name: str
+    sessions: dict[str, Session], name: str
 ) -> None:
     group = GROUPS[name]
-    session = _run(guarded, group.module(), *group.args, timeout=group.plugin_timeout)
+    session = sessions[name]
     problems = verdict(session, group)
     assert not problems, f"{name} ({' '.join(group.args)}):\n{problems}"
 

@@ -5,7 +5,8 @@ not move with it. A passing test that sleeps 1.5 s under such a patch passes (no
 no capture to wait for), and a test that really hangs is reported as a plain HANG by the
 in-process watchdog at its timeout, never by the monitor's last resort (which would end the whole
 session with a GIL hint). Each session runs every tool twice, a pass and a hang, under our
-timeout or pytest-timeout's ``--timeout``. No torch: these sessions start in a second.
+timeout or pytest-timeout's ``--timeout``. No torch: these sessions start in a second, and the
+two timeouts' sessions run at the same time (``world``): they mostly sleep and wait.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import re
 
 import pytest
 
-from conftest import GuardedRunner, assert_hang
+from conftest import GuardedRunner, Session, assert_hang, batch_runner
 from matrix_scenarios import LATE_S
 from outcomes import assert_outcomes
 
 pytest.importorskip("freezegun")
 pytest.importorskip("time_machine")
+
 
 TIMEOUT_S = 3.0
 SLEEP_S = 1.5
@@ -85,18 +87,29 @@ TOOLS = [
 _ELAPSED = re.compile(r"^HANG after (\d+(?:\.\d+)?)s in ")
 
 
-@pytest.mark.parametrize(
-    "timeout_args",
-    [
-        pytest.param((f"--torch-hang-timeout={TIMEOUT_S:g}",), id="torch-hang-timeout"),
-        pytest.param((f"--timeout={TIMEOUT_S:g}",), id="pytest-timeout"),
-    ],
-)
+#: The deadline's sources, by test id.
+TIMEOUT_ARGS = {
+    "torch-hang-timeout": (f"--torch-hang-timeout={TIMEOUT_S:g}",),
+    "pytest-timeout": (f"--timeout={TIMEOUT_S:g}",),
+}
+
+
+@pytest.fixture(scope="module")
+def world(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Session]:
+    """One session per deadline source, both at once."""
+    with batch_runner(request, tmp_path_factory) as guarded:
+        guarded.pytester.makepyfile(test_world=TESTS)
+        args = {key: (*a, "-v", "-p", "no:randomly") for key, a in TIMEOUT_ARGS.items()}
+        return guarded.run_many(args, at_once=2, timeout=None, wait_s=240)
+
+
+@pytest.mark.parametrize("source", list(TIMEOUT_ARGS))
 def test_a_patched_clock_neither_fails_a_passing_test_nor_hides_a_hang(
-    guarded: GuardedRunner, timeout_args: tuple[str, ...]
+    world: dict[str, Session], source: str
 ) -> None:
-    guarded.pytester.makepyfile(test_world=TESTS)
-    session = guarded.run(*timeout_args, "-v", "-p", "no:randomly", timeout=None, wait_s=240)
+    session = world[source]
     text = session.text
     assert "session stopped" not in text, text[-6000:]
     assert "holding the GIL" not in text and "INTERNALERROR" not in text, text[-6000:]
