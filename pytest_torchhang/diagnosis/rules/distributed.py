@@ -23,6 +23,7 @@ from ..frames import (
     pending_collective,
 )
 from ..graph import doing, main_task
+from ..peers import differences
 from ..roles import is_rank, rank_no, role_of, world_size
 
 
@@ -114,13 +115,47 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
             "send on its source rank (look for a rank-dependent branch that swapped a send "
             "for a recv, or the wrong src/dst)." + detail
         )
+    elif len(waiting) == len(ranks) and len(set(waiting.values())) == 1 and differences(ranks):
+        text = (
+            f"all {len(ranks)} ranks wait in {_collective_words(next(iter(waiting.values())))}, "
+            "the same collective with different arguments: every rank must pass the same root "
+            "(src/dst), group and tensor sizes." + detail
+        )
     elif waiting and len(waiting) < len(ranks):
         if all(p.busy for p in ranks if not where[rank_no(p)]):
             return []  # the others compute, on their way to it or in a loop: the busy rule says
         text = _missing_rank(procs, ranks, where, based) + detail
     else:
         return []
-    return [Hint(text, based, rule="collectives", pids=pids)]
+    return [with_peer_difference(Hint(text, based, rule="collectives", pids=pids), ranks)]
+
+
+def with_peer_difference(hint: Hint, ranks: list[ProcessReport]) -> Hint:
+    """The hint with one more sentence saying how the arguments of ranks stuck in the same call
+    differ (``reduce(dst=0) on rank 0/2, reduce(dst=1) on rank 1/2``), read from the values
+    each rank's own frames held at the capture; the hint as it was when none differ."""
+    found = differences(ranks)
+    if not found:
+        return hint
+    by_pid = {p.pid: p for p in ranks}
+    parts = []
+    for diff in found:
+        sides = []
+        for pid, value in sorted(diff.values.items(), key=lambda kv: rank_no(by_pid[kv[0]])):
+            if diff.name == "input sizes":
+                shown = f"{diff.function} of input sizes {value}"
+            else:
+                default = " (the default group)" if diff.name == "group" and value == "None" else ""
+                shown = f"{diff.function}({diff.name}={value}){default}"
+            sides.append(f"{shown} on rank {rank_no(by_pid[pid])}")
+        parts.append(" vs ".join(sides))
+    hint.text = hint.text.rstrip() + f" The arguments differ: {'; '.join(parts)}."
+    hint.based_on = hint.based_on + [
+        f"{d.function} {d.name}: "
+        + ", ".join(f"pid {pid} {value}" for pid, value in d.values.items())
+        for d in found
+    ]
+    return hint
 
 
 def _user_frame(proc: ProcessReport) -> Frame | None:
