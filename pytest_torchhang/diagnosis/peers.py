@@ -91,3 +91,45 @@ def differences(procs: list[ProcessReport]) -> list[PeerDifference]:
             (collective,) = {c.name for c in known.values()}
             out.append(PeerDifference(collective, "input sizes", sizes))
     return out
+
+
+#: Collectives whose root (``dst``) receives a contribution from every other rank of the group.
+GATHERING = frozenset(["reduce", "gather", "gather_object"])
+
+
+@dataclass
+class LoneRoot:
+    """A rank that waits as the root of a gathering collective that every other rank of its
+    world already completed: their contributions went elsewhere (they named another root)."""
+
+    pid: int
+    function: str  # "reduce"
+    dst: str  # the root it named (its own rank)
+    seq: int  # the flight recorder's sequence number of that collective
+    others: list[int]  # the pids of the ranks that completed it
+
+
+def lone_root(procs: list[ProcessReport]) -> LoneRoot | None:
+    """The rank stuck in ``reduce``/``gather`` with ``dst`` its own rank while each other rank
+    of the world completed the same flight-recorder entry (same name, number and group); None
+    when any rank is missing from the report, or unknown, or the entries do not say so."""
+    ranks = {p.role_data().rank: p for p in procs if p.role_data().kind == "rank"}
+    for proc in ranks.values():
+        role = proc.role_data()
+        call, pending = stuck_call(proc), pending_collective(proc)
+        if call is None or pending is None or call.function not in GATHERING:
+            continue
+        if call.args.get("dst") != str(role.rank) or pending.name != call.function:
+            continue
+        if role.world is None or set(ranks) != set(range(role.world)):
+            return None  # a rank of the world is not in the report: it may be the one missing
+        others = [p for r, p in ranks.items() if r != role.rank]
+        key = (pending.name, pending.seq, pending.group)
+        if all(
+            any((c.name, c.seq, c.group) == key and c.completed for c in p.collectives)
+            for p in others
+        ):
+            return LoneRoot(
+                proc.pid, call.function, call.args["dst"], pending.seq, [p.pid for p in others]
+            )
+    return None

@@ -4,6 +4,7 @@ user's code), its choice of a stuck call's frame, and the comparison of peers in
 from __future__ import annotations
 
 import importlib.util
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from pytest_torchhang.diagnosis.peers import PeerDifference, differences
+from pytest_torchhang.diagnosis.peers import PeerDifference, differences, lone_root
 from pytest_torchhang.diagnosis.rules.distributed import with_peer_difference
 from pytest_torchhang.inject.peerargs import (
     MAX_CHARS,
@@ -21,7 +22,14 @@ from pytest_torchhang.inject.peerargs import (
     stuck_frames,
     thread_frames,
 )
-from pytest_torchhang.report.model import Collective, FrameArgs, Hint, ProcessReport, Role
+from pytest_torchhang.report.model import (
+    Collective,
+    FrameArgs,
+    HangReport,
+    Hint,
+    ProcessReport,
+    Role,
+)
 
 
 class Hostile:
@@ -330,3 +338,44 @@ def test_the_hint_says_the_difference_in_one_appended_sentence(
     assert hint.based_on[0] == "x" and len(hint.based_on) == 2
     same = with_peer_difference(Hint("ranks wait.", [], rule="collectives"), [_rank(10, 0)] * 2)
     assert same.text == "ranks wait."
+
+
+#: Reports recorded from the world corpus's two rooted-collective cases (``bench/score_corpus.py
+#: --only _mismatch --record DIR``): ranks with the arguments their listeners read.
+PEERS = Path(__file__).parent / "data" / "peers"
+
+
+def _recorded_ranks(name: str) -> list[ProcessReport]:
+    report = HangReport.from_json(json.loads((PEERS / f"{name}.json").read_text()))
+    return [p for p in report.processes if p.frame_args]
+
+
+def test_a_recorded_broadcast_with_each_rank_as_its_source_differs_by_src() -> None:
+    ranks = _recorded_ranks("test_dist_broadcast_src_mismatch")
+    found = differences(ranks)
+    assert [(d.name, sorted(d.values.values())) for d in found] == [("src", ["0", "1"])]
+    assert lone_root(ranks) is None  # a broadcast's root sends: nobody waits as a lone root
+
+
+def test_a_recorded_reduce_whose_root_waits_alone_is_said_so() -> None:
+    ranks = _recorded_ranks("test_dist_reduce_dst_mismatch")
+    assert differences(ranks) == []  # rank 0 is in its barrier already: no shared call
+    alone = lone_root(ranks)
+    assert alone is not None
+    (stuck,) = [p for p in ranks if p.pid == alone.pid]
+    assert (alone.function, alone.dst, alone.seq) == ("reduce", "1", 1)
+    assert stuck.role_data().rank == 1
+    hint = with_peer_difference(Hint("ranks wait.", [], rule="collectives"), ranks)
+    assert hint.text == (
+        "ranks wait. Rank 1/2 waits in reduce(dst=1) as its root, for the other ranks' "
+        "contributions, but rank 0/2 already completed that #1 reduce: they sent to another "
+        "root (a different dst)."
+    )
+
+
+def test_a_root_alone_is_not_said_when_a_rank_of_the_world_is_missing() -> None:
+    ranks = _recorded_ranks("test_dist_reduce_dst_mismatch")
+    assert lone_root([p for p in ranks if p.role_data().rank == 1]) is None
+    for proc in ranks:  # nor when the others did not complete that entry
+        proc.collectives = [c for c in proc.collectives if c.name != "reduce" or not c.completed]
+    assert lone_root(ranks) is None

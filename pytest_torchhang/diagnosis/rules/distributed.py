@@ -23,7 +23,7 @@ from ..frames import (
     pending_collective,
 )
 from ..graph import doing, main_task
-from ..peers import differences
+from ..peers import differences, lone_root
 from ..roles import is_rank, rank_no, role_of, world_size
 
 
@@ -130,14 +130,34 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
     return [with_peer_difference(Hint(text, based, rule="collectives", pids=pids), ranks)]
 
 
+def _with_lone_root(hint: Hint, by_pid: dict[int, ProcessReport]) -> None:
+    """Say so when a rank waits as the root of a reduce/gather the others already completed."""
+    alone = lone_root(list(by_pid.values()))
+    if alone is None:
+        return
+    others = ", ".join(f"rank {rank_no(by_pid[pid])}" for pid in alone.others)
+    hint.text = hint.text.rstrip() + (
+        f" Rank {rank_no(by_pid[alone.pid])} waits in {alone.function}(dst={alone.dst}) as its "
+        f"root, for the other ranks' contributions, but {others} already completed that "
+        f"#{alone.seq} {alone.function}: they sent to another root (a different dst)."
+    )
+    done = ", ".join(f"pid {pid}" for pid in alone.others)
+    hint.based_on = [
+        *hint.based_on,
+        f"pid {alone.pid} in {alone.function}(dst={alone.dst}); #{alone.seq} completed on {done}",
+    ]
+
+
 def with_peer_difference(hint: Hint, ranks: list[ProcessReport]) -> Hint:
-    """The hint with one more sentence saying how the arguments of ranks stuck in the same call
-    differ (``reduce(dst=0) on rank 0/2, reduce(dst=1) on rank 1/2``), read from the values
-    each rank's own frames held at the capture; the hint as it was when none differ."""
+    """The hint with a sentence saying how the arguments of ranks stuck in the same call differ
+    (``reduce(dst=0) on rank 0/2 vs reduce(dst=1) on rank 1/2``), read from the values each
+    rank's own frames held at the capture, and one for a root of a reduce/gather left alone by
+    ranks that completed it; the hint as it was when neither holds."""
+    by_pid = {p.pid: p for p in ranks}
+    _with_lone_root(hint, by_pid)
     found = differences(ranks)
     if not found:
         return hint
-    by_pid = {p.pid: p for p in ranks}
     parts = []
     for diff in found:
         sides = []
