@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from ..report.model import FrameArgs, ProcessReport
 from .frames import pending_collective
 
-#: Arguments that a rank passes only as a collective's root, or that hold its own data: they
-#: differ between correct peers, so a difference there says nothing.
+#: Arguments that a rank passes only as a collective's root, that hold its own data or name
+#: itself: they differ between correct peers, so a difference there says nothing.
 PER_RANK_ARGUMENTS = frozenset(
     [
         "gather_list",
@@ -17,6 +17,15 @@ PER_RANK_ARGUMENTS = frozenset(
         "scatter_object_input_list",
         "scatter_object_output_list",
         "object_list",
+        "obj",  # all_gather_object, gather_object: each rank's own object
+        "output_split_sizes",  # all_to_all_single: uneven splits are each rank's own
+        "input_split_sizes",
+        "output_tensor_list",  # all_to_all: per-rank shapes
+        "input_tensor_list",
+        "rank",  # init_process_group, a rendezvous: each rank names itself
+        "group_rank",
+        "global_rank",
+        "local_rank",
     ]
 )
 #: Point-to-point calls pair a sender with a receiver: their peers' arguments differ by design.

@@ -41,6 +41,8 @@ def _one_of(kind: type, kinds: tuple[type | None, ...]) -> bool:
 #: Frames of the wrapper that logs a collective's errors: the call is the frame it wraps.
 _LOGGER = "torch/distributed/c10d_logger.py"
 _DISTRIBUTED = "/torch/distributed/"
+#: The module of torch's collectives: its outermost frame is the call the user made.
+_C10D = "torch/distributed/distributed_c10d.py"
 
 #: A code object's flags for ``*args`` and ``**kwargs`` (``inspect.CO_VARARGS``, ``CO_VARKEYWORDS``).
 _CO_VARARGS = 0x04
@@ -174,7 +176,8 @@ def _library(filename: str) -> bool:
     stdlib = sys.modules["os"].__file__ or ""
     home = stdlib.replace("\\", "/").rsplit("/", 1)[0] + "/"
     return (
-        "/site-packages/" in path
+        _DISTRIBUTED in path  # torch's own, wherever it is installed
+        or "/site-packages/" in path
         or "/dist-packages/" in path
         or path.startswith(home)
         or path.startswith("<")
@@ -204,21 +207,24 @@ def _user_locals(frame: types.FrameType) -> list[str]:
 
 
 def thread_frames(top: types.FrameType) -> list[dict[str, Any]]:
-    """The ``torch.distributed`` call a thread is in (its outermost frame there, past torch's
-    logging wrapper) with its arguments, and the user's frame that made it with a few locals;
+    """The ``torch.distributed`` call a thread is in (its outermost frame in torch's collectives
+    module, else in ``torch/distributed``, past torch's logging wrapper) with its arguments, and the user's frame that made it with a few locals;
     empty when the thread is in no such call."""
     frames: list[types.FrameType] = []
     frame: types.FrameType | None = top
     while frame is not None and len(frames) < 256:
         frames.append(frame)
         frame = frame.f_back
-    call = None
+    call = api = None
     for k, f in enumerate(frames):
         path = f.f_code.co_filename.replace("\\", "/")
         if _DISTRIBUTED in path and not path.endswith(_LOGGER):
             call = k
+            if path.endswith(_C10D):
+                api = k  # the collective itself, not a wrapper above it (FSDP's forward)
         elif call is not None and _DISTRIBUTED not in path:
             break
+    call = api if api is not None else call
     if call is None:
         return []
     stuck = frames[call]

@@ -215,7 +215,39 @@ def test_the_stuck_calls_frame_and_its_callers_locals_are_read_from_another_thre
     ]
 
 
-def _rank(pid: int, rank: int, **args: str) -> ProcessReport:
+def test_the_call_is_the_collective_not_a_torch_distributed_wrapper_above_it(
+    tmp_path: Path,
+) -> None:
+    c10d = _fake_distributed(tmp_path)
+    wrapper = tmp_path / "torch" / "distributed" / "fsdp"
+    wrapper.mkdir()
+    (wrapper / "wrap.py").write_text(
+        "def forward(c10d, batch, tensor):\n    return c10d.reduce(tensor, dst=0)\n"
+    )
+    spec = importlib.util.spec_from_file_location("fake_fsdp", wrapper / "wrap.py")
+    assert spec is not None and spec.loader is not None
+    fsdp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fsdp)
+    release = threading.Event()
+    worker = threading.Thread(target=fsdp.forward, args=(c10d, [1, 2], {"release": release}))
+    worker.start()
+    try:
+        import sys
+        import time
+
+        deadline = time.monotonic() + 10
+        rows: list[dict[str, Any]] = []
+        while not rows and time.monotonic() < deadline:
+            rows = thread_frames(sys._current_frames()[worker.ident or 0])
+            time.sleep(0.01)
+    finally:
+        release.set()
+        worker.join(10)
+    assert [(r["function"], r["call"]) for r in rows] == [("reduce", True)]  # no user frame
+    assert rows[0]["args"]["dst"] == "0"
+
+
+def _rank(pid: int, rank: int, /, **args: str) -> ProcessReport:
     proc = ProcessReport(pid, 1, f"rank {rank}/2 (gloo)", "python", "S", 0, 0, 0, 1, 0, "ok")
     proc.role_facts = Role("rank", rank=rank, world=2, backend="gloo")
     proc.frame_args = [
@@ -258,6 +290,14 @@ _C10D = "/x/torch/distributed/distributed_c10d.py"
                 _rank(10, 0, group="None"),
                 _rank(11, 1, group="ProcessGroup(default, ranks=[0, 1], name='0')"),
             ],
+            [],
+        ),
+        (  # a rendezvous: each rank names itself
+            [_rank(10, 0, rank="0", world_size="2"), _rank(11, 1, rank="1", world_size="2")],
+            [],
+        ),
+        (  # each rank's own object to gather
+            [_rank(10, 0, obj="{'loss': 0.5}"), _rank(11, 1, obj="{'loss': 1.5}")],
             [],
         ),
         (  # one process alone in its call has no peer
