@@ -11,6 +11,7 @@ anything else by its type's name read from the type's slot (not ``__class__``, n
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 from typing import Any
@@ -137,7 +138,7 @@ def _container(value: Any, depth: int) -> str:
     if kind is dict:
         items = [
             f"{bounded_repr(k, depth + 1)}: {bounded_repr(v, depth + 1)}"
-            for k, v in list(value.items())[:MAX_ITEMS]
+            for k, v in itertools.islice(value.items(), MAX_ITEMS)  # not a copy of a big one
         ]
         opening, closing = "{", "}"
     else:

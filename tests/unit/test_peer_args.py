@@ -120,6 +120,10 @@ _SELF.append(_SELF)
         (lambda: [0, 1], "[0, 1]"),
         (lambda: {"dst": 1}, "{'dst': 1}"),
         (lambda: list(range(MAX_ITEMS + 3)), "[0, 1, 2, 3, 4, 5, ...+3]"),
+        (
+            lambda: dict.fromkeys(range(10**6), 0),
+            "{0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0, ...+999994}",
+        ),
         (lambda: _NESTED, "[[list(len=1)]]"),
         (lambda: _SELF, "[[list(len=1)]]"),  # a list that holds itself: bounded by depth
         (lambda: Hostile(), f"{__name__}.Hostile"),
