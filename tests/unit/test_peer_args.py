@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import pytest
 
 from pytest_torchhang.diagnosis.peers import PeerDifference, differences, lone_root
-from pytest_torchhang.diagnosis.rules.distributed import with_peer_difference
+from pytest_torchhang.diagnosis.rules.distributed import p2p_arguments, with_peer_difference
 from pytest_torchhang.inject.peerargs import (
     MAX_CHARS,
     MAX_ITEMS,
@@ -423,3 +423,20 @@ def test_a_root_alone_is_not_said_when_a_rank_of_the_world_is_missing() -> None:
     for proc in ranks:  # nor when the others did not complete that entry
         proc.collectives = [c for c in proc.collectives if c.name != "reduce" or not c.completed]
     assert lone_root(ranks) is None
+
+
+@pytest.mark.parametrize(
+    ("call", "args", "said"),
+    [
+        ("send", {"tensor": "T", "dst": "1", "group": "None", "tag": "3"}, "dst=1, tag=3"),
+        ("recv", {"tensor": "T", "src": "0", "tag": "0", "group_src": "0"}, "src=0, tag=0"),
+        ("send", {"dst": "None", "tag": "0", "group_dst": "1"}, "group_dst=1, tag=0"),
+        ("recv", {"src": "1", "tag": "0"}, "src=1, tag=0"),
+    ],
+)
+def test_a_point_to_point_call_is_said_with_the_values_its_frame_held(
+    call: str, args: dict[str, str], said: str
+) -> None:
+    proc = _rank(10, 0, **args)
+    proc.frame_args[0].function = call
+    assert p2p_arguments(proc, call) == said

@@ -23,7 +23,7 @@ from ..frames import (
     pending_collective,
 )
 from ..graph import doing, main_task
-from ..peers import differences, lone_root
+from ..peers import differences, lone_root, stuck_call
 from ..roles import is_rank, rank_no, role_of, world_size
 
 
@@ -307,6 +307,9 @@ def p2p_arguments(proc: ProcessReport, call: str) -> str:
     """``dst=1, tag=1``: the peer and tag arguments of the user's ``send``/``recv`` call, read
     from the source line that calls it (gloo's flight recorder keeps no point-to-point entries;
     the frames' locals are not captured). Empty where the line names none."""
+    captured = _captured_p2p(proc, call)
+    if captured:
+        return captured
     main = main_thread(proc)
     frames = main.frames if main else []
     inner = next(
@@ -336,6 +339,17 @@ def p2p_arguments(proc: ProcessReport, call: str) -> str:
         if len(positional) > 1 and "=" not in positional[1]:  # send(tensor, dst), recv(tensor, src)
             found = {("dst" if call in _SENDS else "src"): positional[1], **found}
     return ", ".join(f"{key}={value}" for key, value in found.items())
+
+
+def _captured_p2p(proc: ProcessReport, call: str) -> str:
+    """``dst=1, tag=3``: the peer and tag values the rank's own ``send``/``recv`` frame held at
+    the capture (its listener read them); empty where they were not captured."""
+    frame = stuck_call(proc)
+    if frame is None or frame.function != call:
+        return ""
+    peer = ("dst", "group_dst") if call in _SENDS else ("src", "group_src")
+    names = [next((n for n in peer if frame.args.get(n, "None") != "None"), ""), "tag"]
+    return ", ".join(f"{n}={frame.args[n]}" for n in names if n in frame.args)
 
 
 def _unmatched_p2p(ranks: list[ProcessReport], waiting: dict[str, str]) -> str:
