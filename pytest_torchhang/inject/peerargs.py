@@ -209,8 +209,8 @@ def _user_locals(frame: types.FrameType) -> list[str]:
 
 def thread_frames(top: types.FrameType) -> list[dict[str, Any]]:
     """The ``torch.distributed`` call a thread is in (its outermost frame in torch's collectives
-    module, else in ``torch/distributed``, past torch's logging wrapper) with its arguments, and the user's frame that made it with a few locals;
-    empty when the thread is in no such call."""
+    module, else in ``torch/distributed``, past torch's logging wrapper) with its arguments, and
+    the user's frame that made it with a few locals; empty when the thread is in no such call."""
     frames: list[types.FrameType] = []
     frame: types.FrameType | None = top
     while frame is not None and len(frames) < 256:
