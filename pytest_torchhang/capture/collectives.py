@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import clock
 from ..inject.protocol import collectives_path, collectives_request_path
-from ..report.model import Collective, ProcessReport, Role, StoreWait
+from ..report.model import Collective, FrameArgs, ProcessReport, Role, StoreWait
 
 #: Flight-recorder entries kept per rank (the newest).
 MAX_COLLECTIVES = 8
@@ -56,6 +56,7 @@ class RankAnswer:
     error: str = ""  # the flight recorder's: the rest may still be there
     role: Role | None = None
     store_waits: list[StoreWait] = field(default_factory=list)
+    frame_args: list[FrameArgs] = field(default_factory=list)  # its threads' stuck calls
     notes: list[str] = field(default_factory=list)  # what the listener could not read
 
 
@@ -131,6 +132,7 @@ def add_rank_facts(reports: list[ProcessReport], answers: dict[int, RankAnswer |
             else:
                 wait.keys_note = f"the keys of a {wait.store} are not read from outside"
         report.store_waits = answer.store_waits
+        report.frame_args = answer.frame_args
     return notes
 
 
@@ -164,7 +166,23 @@ def _answer(doc: dict[str, Any]) -> RankAnswer:
                     waited_s=float(row.get("waited_s", 0.0)),
                 )
             )
+    answer.frame_args = [a for a in map(_frame_args, doc.get("frame_args", [])) if a]
     return answer
+
+
+def _frame_args(row: object) -> FrameArgs | None:
+    """One row of the listener's ``frame_args``, or None for one that is not what it wrote."""
+    if not isinstance(row, dict) or not isinstance(row.get("args"), dict):
+        return None
+    line = _int(row.get("line"))
+    return FrameArgs(
+        thread=str(row.get("thread", "")),
+        function=str(row.get("function", "")),
+        file=str(row.get("file", "")),
+        line=line if line is not None else 0,
+        args={str(k): str(v) for k, v in row["args"].items()},
+        call=bool(row.get("call", False)),
+    )
 
 
 def _int(value: object) -> int | None:

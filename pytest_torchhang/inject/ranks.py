@@ -119,8 +119,28 @@ def _store_waits() -> list[dict[str, Any]]:
     return out
 
 
+def _sibling_peerargs() -> Any:
+    """``inject/peerargs.py``, loaded as ``hook._sibling`` loads this module (by path, when the
+    package is not imported in this process)."""
+    full = "pytest_torchhang.inject.peerargs"
+    module = sys.modules.get(full)
+    if module is None:
+        import importlib.util
+        import os
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peerargs.py")
+        spec = importlib.util.spec_from_file_location(full, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def rank_facts() -> dict[str, Any]:
-    """This process's role as a rank (``Role`` fields) and its threads' store waits, as JSON-ready
+    """This process's role as a rank (``Role`` fields), its threads' store waits and the
+    arguments of the ``torch.distributed`` calls they are in, as JSON-ready
     data; each part is left out (with why, under ``errors``) when it cannot be read."""
     out: dict[str, Any] = {}
     errors = []
@@ -134,6 +154,10 @@ def rank_facts() -> dict[str, Any]:
         out["store_waits"] = _store_waits()
     except Exception as exc:
         errors.append(f"store waits: {type(exc).__name__}: {exc}")
+    try:  # the arguments of the call each thread is stuck in, to compare with the peers'
+        out["frame_args"] = _sibling_peerargs().stuck_frames()
+    except Exception as exc:
+        errors.append(f"stuck calls' arguments: {type(exc).__name__}: {exc}")
     if errors:
         out["errors"] = errors
     return out

@@ -166,6 +166,20 @@ class StoreWait:
 
 
 @dataclass
+class FrameArgs:
+    """A frame of a thread in a ``torch.distributed`` call, read in the process at the capture:
+    the call's own frame (``call``: its arguments) or the user's frame that made it (a few
+    locals), each value as bounded text written without running the user's code."""
+
+    thread: str  # ident of the Python thread (as ``ThreadStack.ident``)
+    function: str
+    file: str
+    line: int
+    args: dict[str, str] = field(default_factory=dict)  # name -> bounded repr, in frame order
+    call: bool = False  # the stuck call's frame (else the user's frame that called it)
+
+
+@dataclass
 class AsyncTask:
     """One pending asyncio task of a running loop: where its coroutines are suspended (each
     frame down its ``cr_await`` chain, most recent call first) and what it awaits."""
@@ -370,6 +384,8 @@ class ProcessReport:
     #: process at the capture: a rank whoever started it; None for a process without one
     group_role: Role | None = None
     store_waits: list[StoreWait] = field(default_factory=list)  # its threads in store.get/wait
+    #: ranks: the frames of its threads' torch.distributed calls, with their arguments' values
+    frame_args: list[FrameArgs] = field(default_factory=list)
 
     def role_data(self) -> Role:
         """The role as data: ``role_facts``, or, in a report built without them, ``role`` read."""
@@ -445,6 +461,8 @@ class HangReport:
                 del proc["signals"]
             if not proc["store_waits"]:
                 del proc["store_waits"]
+            if not proc["frame_args"]:
+                del proc["frame_args"]
             if proc["group_role"] is None:
                 del proc["group_role"]
             for role in (proc["role_facts"], proc.get("group_role")):
@@ -491,6 +509,7 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
     fields["event_loops"] = [_loop_from_json(loop) for loop in doc.get("event_loops", [])]
     fields["signals"] = signals.from_json(doc.get("signals"))
     fields["store_waits"] = [StoreWait(**w) for w in doc.get("store_waits", [])]
+    fields["frame_args"] = [FrameArgs(**a) for a in doc.get("frame_args", [])]
     if doc.get("group_role"):
         fields["group_role"] = Role(**doc["group_role"])
     facts = doc.get("role_facts")

@@ -23,6 +23,7 @@ from ..frames import (
     pending_collective,
 )
 from ..graph import doing, main_task
+from ..peers import differences, lone_root, stuck_call
 from ..roles import is_rank, rank_no, role_of, world_size
 
 
@@ -114,13 +115,67 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
             "send on its source rank (look for a rank-dependent branch that swapped a send "
             "for a recv, or the wrong src/dst)." + detail
         )
+    elif len(waiting) == len(ranks) and len(set(waiting.values())) == 1 and differences(ranks):
+        text = (
+            f"all {len(ranks)} ranks wait in {_collective_words(next(iter(waiting.values())))}, "
+            "the same collective with different arguments: every rank must pass the same root "
+            "(src/dst), group and tensor sizes." + detail
+        )
     elif waiting and len(waiting) < len(ranks):
         if all(p.busy for p in ranks if not where[rank_no(p)]):
             return []  # the others compute, on their way to it or in a loop: the busy rule says
         text = _missing_rank(procs, ranks, where, based) + detail
     else:
         return []
-    return [Hint(text, based, rule="collectives", pids=pids)]
+    return [with_peer_difference(Hint(text, based, rule="collectives", pids=pids), ranks)]
+
+
+def _with_lone_root(hint: Hint, by_pid: dict[int, ProcessReport]) -> None:
+    """Say so when a rank waits as the root of a reduce/gather the others already completed."""
+    alone = lone_root(list(by_pid.values()))
+    if alone is None:
+        return
+    others = ", ".join(f"rank {rank_no(by_pid[pid])}" for pid in alone.others)
+    hint.text = hint.text.rstrip() + (
+        f" Rank {rank_no(by_pid[alone.pid])} waits in {alone.function}(dst={alone.dst}) as its "
+        f"root, for the other ranks' contributions, but {others} already completed that "
+        f"#{alone.seq} {alone.function}: they sent to another root (a different dst)."
+    )
+    done = ", ".join(f"pid {pid}" for pid in alone.others)
+    hint.based_on = [
+        *hint.based_on,
+        f"pid {alone.pid} in {alone.function}(dst={alone.dst}); #{alone.seq} completed on {done}",
+    ]
+
+
+def with_peer_difference(hint: Hint, ranks: list[ProcessReport]) -> Hint:
+    """The hint with a sentence saying how the arguments of ranks stuck in the same call differ
+    (``reduce(dst=0) on rank 0/2 vs reduce(dst=1) on rank 1/2``), read from the values each
+    rank's own frames held at the capture, and one for a root of a reduce/gather left alone by
+    ranks that completed it; the hint as it was when neither holds."""
+    by_pid = {p.pid: p for p in ranks}
+    _with_lone_root(hint, by_pid)
+    found = differences(ranks)
+    if not found:
+        return hint
+    parts = []
+    for diff in found:
+        sides = []
+        for pid, value in sorted(diff.values.items(), key=lambda kv: rank_no(by_pid[kv[0]])):
+            if diff.name == "input sizes":
+                shown = f"{diff.function} of input sizes {value}"
+            else:
+                default = " (the default group)" if diff.name == "group" and value == "None" else ""
+                shown = f"{diff.function}({diff.name}={value}){default}"
+            sides.append(f"{shown} on rank {rank_no(by_pid[pid])}")
+        parts.append(" vs ".join(sides))
+    hint.text = hint.text.rstrip() + f" The arguments differ: {'; '.join(parts)}."
+    hint.based_on = hint.based_on + [
+        f"{d.function} {d.name}: "
+        + ", ".join(f"pid {pid} {value}" for pid, value in d.values.items())
+        for d in found
+    ]
+    return hint
 
 
 def _user_frame(proc: ProcessReport) -> Frame | None:
@@ -252,6 +307,9 @@ def p2p_arguments(proc: ProcessReport, call: str) -> str:
     """``dst=1, tag=1``: the peer and tag arguments of the user's ``send``/``recv`` call, read
     from the source line that calls it (gloo's flight recorder keeps no point-to-point entries;
     the frames' locals are not captured). Empty where the line names none."""
+    captured = _captured_p2p(proc, call)
+    if captured:
+        return captured
     main = main_thread(proc)
     frames = main.frames if main else []
     inner = next(
@@ -281,6 +339,17 @@ def p2p_arguments(proc: ProcessReport, call: str) -> str:
         if len(positional) > 1 and "=" not in positional[1]:  # send(tensor, dst), recv(tensor, src)
             found = {("dst" if call in _SENDS else "src"): positional[1], **found}
     return ", ".join(f"{key}={value}" for key, value in found.items())
+
+
+def _captured_p2p(proc: ProcessReport, call: str) -> str:
+    """``dst=1, tag=3``: the peer and tag values the rank's own ``send``/``recv`` frame held at
+    the capture (its listener read them); empty where they were not captured."""
+    frame = stuck_call(proc)
+    if frame is None or frame.function != call:
+        return ""
+    peer = ("dst", "group_dst") if call in _SENDS else ("src", "group_src")
+    names = [next((n for n in peer if frame.args.get(n, "None") != "None"), ""), "tag"]
+    return ", ".join(f"{n}={frame.args[n]}" for n in names if n in frame.args)
 
 
 def _unmatched_p2p(ranks: list[ProcessReport], waiting: dict[str, str]) -> str:
