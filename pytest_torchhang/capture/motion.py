@@ -144,7 +144,7 @@ def classify(
         max(second.written - first.written, 0) if min(first.written, second.written) >= 0 else -1
     )
     changed = moved(first.stacks, second.stacks)
-    kind, where = _kind(changed, written, cpu, wakes, python_tids, first, second)
+    kind, where, tids = _kind(changed, written, cpu, wakes, python_tids, first, second)
     return Motion(
         kind,
         round(interval, 3),
@@ -154,6 +154,7 @@ def classify(
         bool(changed),
         written,
         where,
+        tids,
     )
 
 
@@ -165,11 +166,12 @@ def _kind(
     python_tids: set[int] | None,
     first: Look,
     second: Look,
-) -> tuple[str, str]:
+) -> tuple[str, str, list[int]]:
+    """(the kind, what moved or who spins or polls in words, the threads that spin or poll)."""
     if changed:
-        return "moving", changed
+        return "moving", changed, []
     if written > 0:
-        return "moving", ""
+        return "moving", "", []
     # A thread that used CPU and hardly slept spins; so does one that ran most of the time,
     # whatever its wake-ups (a spinner that shares the GIL sleeps each switch interval).
     interval = max(second.at - first.at, 1e-3)
@@ -178,12 +180,16 @@ def _kind(
         if (used >= SPIN_CPU_S or running) and (
             wakes[tid] < POLL_WAKES or used >= SPIN_SHARE * interval
         ):
-            return "spinning", f"thread {tid} used {used:.2f}s CPU and hardly slept"
+            spinners = [
+                t for t, u in cpu.items() if u >= SPIN_CPU_S or second.threads[t].state == "R"
+            ]
+            return "spinning", f"thread {tid} used {used:.2f}s CPU and hardly slept", spinners
     counted = {tid: n for tid, n in wakes.items() if not python_tids or tid in python_tids} or wakes
     tid, most = max(counted.items(), key=lambda item: item[1], default=(0, 0))
     if most >= POLL_WAKES:
-        return "polling", f"thread {tid} slept and woke {most} times"
-    return "blocked", ""
+        pollers = sorted(t for t, n in counted.items() if n >= POLL_WAKES)
+        return "polling", f"thread {tid} slept and woke {most} times", pollers
+    return "blocked", "", []
 
 
 def moved(before: dict[str, tuple[Frame, ...]], after: dict[str, tuple[Frame, ...]]) -> str:

@@ -359,6 +359,7 @@ class Motion:
     frames_moved: bool  # a thread's Python stack changed beyond a loop in the same function
     written_bytes: int  # bytes it wrote between the looks (/proc/PID/io wchar; -1: unread)
     where: str = ""  # what moved, or the thread that spins or polls, in words
+    tids: list[int] = field(default_factory=list)  # the threads that spin or poll
 
     def summary(self) -> str:
         """``polling: woke 48 times in 0.50 s, +0.00s CPU, the same frames``."""

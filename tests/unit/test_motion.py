@@ -140,7 +140,9 @@ def test_the_evidence_is_the_deltas_of_the_process_threads() -> None:
     first = look(0, {**one(vol=10, invol=1), **one(cpu=5, vol=3, tid=11)})
     second = look(0.5, {**one(vol=60, invol=2), **one(cpu=5, vol=3, tid=11)})
     seen = motion.classify(first, second)
-    assert seen == Motion("polling", 0.5, 0.0, 50, 1, False, 0, "thread 10 slept and woke 50 times")
+    assert seen == Motion(
+        "polling", 0.5, 0.0, 50, 1, False, 0, "thread 10 slept and woke 50 times", [10]
+    )
 
 
 def test_a_library_timer_thread_does_not_make_a_blocked_main_thread_poll() -> None:
@@ -210,3 +212,30 @@ def test_the_text_report_has_a_motion_line_per_process() -> None:
         "    motion: polling: woke 48 times in 0.50 s, +0.00s CPU, the same frames "
         "(thread 7 slept and woke 48 times)"
     ) in text.splitlines()
+
+
+def test_a_polling_thread_s_timed_wait_is_a_sleep_not_a_block_in_the_graph() -> None:
+    from pytest_torchhang.diagnosis.graph import wait_kind
+    from pytest_torchhang.report.model import TaskWait, WaitEdge
+
+    proc = _proc("polling")
+    assert proc.motion is not None
+    proc.motion.tids = [7]
+    # a futex wait with a timeout the rules do not read as the user's, on a lock another
+    # process holds: blocked, by the kernel's evidence alone
+    task = TaskWait(7, state="S", call="futex", timed=True, waits_for=[WaitEdge(8, via="lock")])
+    assert wait_kind(proc, task) == "sleeping"
+    proc.motion = None
+    assert wait_kind(proc, task) == "blocked"
+
+
+@pytest.mark.parametrize(
+    ("kind", "busy"),
+    [("spinning", True), ("polling", False), ("blocked", False), ("moving", True)],
+)
+def test_two_looks_overrule_the_first_cpu_sample(kind: str, busy: bool) -> None:
+    from pytest_torchhang.diagnosis.roles import is_busy
+
+    proc = _proc(kind)
+    proc.cpu_delta_s = 0.05  # answering the first capture's signals cost it some CPU
+    assert is_busy(proc) is busy  # moving: the CPU sample decides, as before
