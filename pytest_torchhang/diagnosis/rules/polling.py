@@ -5,6 +5,8 @@ and it is not computing: it waits for a condition that has not come."""
 
 from __future__ import annotations
 
+import re
+
 from ...report.model import Frame, Hint, ProcessReport
 from ..frames import is_library, located, main_thread
 from ..graph import code, who
@@ -22,16 +24,29 @@ def polls(proc: ProcessReport) -> bool:
     )
 
 
-def _loop(proc: ProcessReport) -> tuple[str, Frame | None]:
-    """(what the loop reads, in words, or ""; the loop's line in the user's code, when found)."""
+#: A loop whose condition reads these waits for children to finish: it supervises them, and
+#: what they do (stuck, computing) is the story, which other rules tell.
+_SUPERVISES = re.compile(r"\b(exitcode|returncode|is_alive|join)\b")
+
+
+def _loop(proc: ProcessReport) -> tuple[str, Frame] | None:
+    """(what the loop reads, in words, or ""; the ``while`` line of the user's loop) of a
+    polling process; None when the poll is not a loop of the user's code (a library's own
+    retry inside one call, a store's client: the rules about that call tell it) or when the
+    loop supervises children."""
     found = _polls(proc)
-    if found is not None:
-        return found
-    thread = main_thread(proc)
-    frame = next((f for f in thread.frames if not is_library(f)), None) if thread else None
-    if frame is None or frame.line.startswith("while "):
-        return "", frame
-    return "", _loop_head(frame) or frame
+    if found is None:
+        thread = main_thread(proc)
+        frame = next((f for f in thread.frames if not is_library(f)), None) if thread else None
+        if frame is None:
+            return None
+        head = frame if frame.line.startswith("while ") else _loop_head(frame)
+        if head is None:
+            return None
+        found = ("", head)
+    if _SUPERVISES.search(found[1].line):
+        return None
+    return found
 
 
 def hint_polling(procs: list[ProcessReport]) -> list[Hint]:
@@ -40,14 +55,17 @@ def hint_polling(procs: list[ProcessReport]) -> list[Hint]:
     for proc in procs:
         if not polls(proc) or proc.motion is None:
             continue
-        what, frame = _loop(proc)
+        loop_found = _loop(proc)
+        if loop_found is None:
+            continue
+        what, frame = loop_found
         seen = proc.motion
         loop = f" a loop that polls {what}" if what else " a loop"
-        line = f": `{code(frame.line)}`" if frame is not None and frame.line else ""
+        line = f": `{code(frame.line)}`" if frame.line else ""
         hints.append(
             Hint(
                 f"{who(proc)} polls for a condition that has not come: in{loop}"
-                f"{located(frame) if frame is not None else ''}{line}, it slept and woke "
+                f"{located(frame)}{line}, it slept and woke "
                 f"{seen.voluntary_switches} times in {seen.interval_s:.1f} s with little CPU "
                 f"(+{seen.cpu_delta_s:.2f}s) and its frames did not move. It is not blocked: "
                 "it looks again and again, and what it looks for is not there. Find what "
