@@ -14,6 +14,8 @@ from pytest_torchhang.capture.procfs import TICKS
 from pytest_torchhang.report.model import Frame, HangReport, Motion, ProcessReport
 from pytest_torchhang.report.text import to_text
 
+from .conftest import RECORDED, Replay
+
 USER = "/home/me/project/test_x.py"
 LIB = sysconfig.get_path("stdlib") + "/threading.py"
 
@@ -239,3 +241,40 @@ def test_two_looks_overrule_the_first_cpu_sample(kind: str, busy: bool) -> None:
     proc = _proc(kind)
     proc.cpu_delta_s = 0.05  # answering the first capture's signals cost it some CPU
     assert is_busy(proc) is busy  # moving: the CPU sample decides, as before
+
+
+def _as_polling(report: HangReport, pid: int) -> None:
+    """The motion the second look gives a ``while ...: time.sleep(0.05)`` loop (the recordings
+    predate it; ``tests/test_motion.py`` shows it on a real loop)."""
+    (proc,) = [p for p in report.processes if p.pid == pid]
+    proc.motion = Motion("polling", 0.5, 0.0, 10, 0, False, 0, f"thread {pid}", [pid])
+
+
+def test_a_loop_polling_for_a_failed_producer_s_file_is_told_so_even_caught_running(
+    replay: Replay,
+) -> None:
+    (path,) = [
+        p
+        for p in RECORDED
+        if p.stem == "test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes"
+    ]
+    report = replay.load(path)
+    (parent,) = [p for p in report.processes if p.role == "pytest"]
+    _as_polling(report, parent.pid)
+    task = next(t for t in parent.tasks if t.tid == parent.pid)
+    task.call, task.state = "running", "R"  # the first read caught it between two sleeps
+    hints = replay.hints(report)
+    assert [h.rule for h in hints if parent.pid in h.pids] == ["poll_dead"], hints
+    (told,) = [h for h in hints if h.rule == "poll_dead"]
+    assert "sleeps between looks" in told.text and "spins" not in told.text
+
+
+def test_the_polling_rule_is_silent_about_a_loop_without_motion(replay: Replay) -> None:
+    (path,) = [
+        p
+        for p in RECORDED
+        if p.stem == "test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes"
+    ]
+    report = replay.load(path)
+    assert all(p.motion is None for p in report.processes)
+    assert "polling" not in [h.rule for h in replay.hints(report)]
