@@ -23,6 +23,7 @@ from ..inject.protocol import (
     pid_of,
     read_stderr_copy,
     role_path,
+    signals_path,
     stderr_path,
 )
 from ..report.model import (
@@ -33,7 +34,7 @@ from ..report.model import (
     StderrTail,
     ThreadStack,
 )
-from . import aio, attach, collectives, procfs, signals, waitgraph
+from . import aio, attach, collectives, motion, procfs, signals, waitgraph
 from .native import native_stacks, tool_available
 from .target import CaptureTarget
 from .tree import ProcessId, helper_kind, is_zombie, split_descendants
@@ -230,6 +231,7 @@ def gather(target: CaptureTarget, skip_threads: set[int] | None = None) -> Gathe
     notes = _add_waits(target, reports, seen.evidence, t0)
     _stated_roles(target, reports)
     notes += _dump_notes(dumps) + aio_notes
+    _look_twice(target, procs, reports, skip_threads, t0)
     return Gathered(t0, elapsed, reports, context, env, notes, reader, seen.now)
 
 
@@ -324,8 +326,68 @@ def _before_signals(
     return _Observed(own, cpu_before, evidence, own_stacks, now, facts)
 
 
+#: What the second look's stack dump may take (a small tree answers in milliseconds).
+SECOND_DUMP_S = 0.3
+
+
+def _look_twice(
+    target: CaptureTarget,
+    procs: list[psutil.Process],
+    reports: list[ProcessReport],
+    skip_threads: set[int],
+    t0: float,
+) -> None:
+    """Each process's ``motion``: its counters now and ``motion.INTERVAL_S`` later, then its
+    stacks once more. After every other signal of the capture has been answered, so that what
+    moved between the looks is the process's own doing; skipped (``motion`` stays None) when
+    the capture's budget has no room left for it."""
+    left = target.capture_budget_s - (clock.monotonic() - t0)
+    if left < motion.INTERVAL_S + SECOND_DUMP_S:
+        return
+    own = _capture_tids(skip_threads)
+    me = os.getpid()
+    first = {
+        r.pid: motion.look(r.pid, clock.monotonic(), own if r.pid == me else None) for r in reports
+    }
+    since = clock.wall()
+    clock.sleep(motion.INTERVAL_S)
+    second = {pid: motion.look(pid, clock.monotonic(), own if pid == me else None) for pid in first}
+    # read before the second dump, whose signal makes each process write its answer again
+    late = {pid: _late_answer(target.dump_dir, pid, since) for pid in second}
+    own_stacks = in_process_threads(skip_threads) if _reads_itself(target) else None
+    live = [p for p in procs if second.get(p.pid) is not None]
+    dumps = _take_stacks(target, live, own_stacks, SECOND_DUMP_S)
+    for report in reports:
+        before, after = first.get(report.pid), second.get(report.pid)
+        if before is not None and after is not None:
+            dump = dumps.get(report.pid)
+            after = motion.with_stacks(after, dump.threads if dump is not None else [])
+            after = motion.less_written(after, late[report.pid])
+        report.motion = motion.classify(
+            None if before is None else motion.with_stacks(before, report.threads),
+            after,
+            {t.tid for t in report.tasks if t.python_thread},
+        )
+
+
+def _late_answer(dump_dir: str | None, pid: int, since: float) -> int:
+    """Bytes of the first dump's signal answer that ``pid`` wrote after ``since`` (wall time):
+    its main thread writes it when it next runs Python code, which for a busy process may fall
+    between the two looks. That write is the plugin's doing, not the process's."""
+    if dump_dir is None:
+        return 0
+    try:
+        answer = os.stat(signals_path(dump_dir, pid))
+    except OSError:
+        return 0
+    return answer.st_size if answer.st_mtime >= since - 0.01 else 0
+
+
 def _take_stacks(
-    target: CaptureTarget, procs: list[psutil.Process], own_stacks: list[ThreadStack] | None
+    target: CaptureTarget,
+    procs: list[psutil.Process],
+    own_stacks: list[ThreadStack] | None,
+    budget_s: float | None = None,
 ) -> dict[int, Dump]:
     """Every process's stacks by its dump handler (this process's as read before), trimmed."""
     idents: list[ProcessId] = []
@@ -333,7 +395,7 @@ def _take_stacks(
         with contextlib.suppress(psutil.Error):
             if proc.pid != target.root_pid or not _reads_itself(target):
                 idents.append(ProcessId(proc.pid, proc.create_time()))
-    dumps = request_dumps(idents, target.dump_dir, target.capture_budget_s)
+    dumps = request_dumps(idents, target.dump_dir, budget_s or target.capture_budget_s)
     if own_stacks is not None:
         dumps[target.root_pid] = Dump("ok", own_stacks)
     for dump in dumps.values():

@@ -20,6 +20,7 @@ from .rules.loading import (
     hint_unpicklable_batch,
     hint_worker_lock,
 )
+from .rules.polling import hint_polling
 from .rules.sharing import (
     hint_end_marker,
     hint_fifo,
@@ -215,6 +216,7 @@ RULES: tuple[Rule, ...] = (
     hint_join_cycle,
     hint_no_answer,
     hint_poll_dead,
+    hint_polling,
     hint_fifo,
     hint_pipe,
     hint_openmp_after_fork,

@@ -83,6 +83,8 @@ def wait_kind(proc: ProcessReport, task: TaskWait) -> str:
         return "stopped"
     if task.call == "running" or task.state == "R":
         return "running"
+    if proc.motion is not None and proc.motion.kind == "polling" and task.tid in proc.motion.tids:
+        return "sleeping"  # two looks saw it wake again and again: a loop, never a block
     if task.call in SLEEP_CALLS:
         return "sleeping"
     if task.timed and _user_timeout(proc, task):

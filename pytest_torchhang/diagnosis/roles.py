@@ -219,8 +219,12 @@ def is_busy(proc: ProcessReport) -> bool:
     """CPU time grew while the stacks were taken, or the process runs and mostly has been running.
 
     The second test matters on a loaded machine, where a spinning process may get little CPU in
-    the short capture window.
+    the short capture window. Two looks half a second apart (``proc.motion``) overrule both: a
+    process that spun between them is busy; one that polled (slept and woke, little CPU) or
+    did not move at all waits, whatever CPU answering the capture's signals cost it.
     """
+    if proc.motion is not None and proc.motion.kind in ("spinning", "polling", "blocked"):
+        return proc.motion.kind == "spinning"
     return proc.cpu_delta_s >= BUSY_CPU_S or (
         proc.state == "running" and proc.cpu_s > 0.5 * proc.age_s
     )

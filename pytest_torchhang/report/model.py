@@ -350,6 +350,44 @@ def _or_unknown(value: int | None, instead: str | None = None) -> str:
     return instead if instead is not None else ("?" if value is None else str(value))
 
 
+#: What two looks at a process about half a second apart saw it do (``ProcessReport.motion``).
+MOTIONS = ("blocked", "spinning", "polling", "moving", "gone")
+
+
+@dataclass
+class Motion:
+    """What moved in a process between two looks (counters and stacks) taken ``interval_s``
+    apart, after the first capture's signals were answered and before the kill.
+
+    ``kind``: "blocked" (nothing moved: no CPU, no wake-up, the same frames), "spinning" (CPU
+    used without sleeping, in the same frames or a loop of the same few frames), "polling"
+    (it slept and woke again and again: a sleep or a wait with a short timeout in a loop, little
+    CPU, the same frames), "moving" (its frames changed, or it wrote), "gone" (it exited).
+    """
+
+    kind: str
+    interval_s: float
+    cpu_delta_s: float  # CPU of its own threads between the looks (the plugin's left out)
+    voluntary_switches: int  # times its threads went to sleep and woke (the kernel's count)
+    involuntary_switches: int  # times they were preempted while running
+    frames_moved: bool  # a thread's Python stack changed beyond a loop in the same function
+    written_bytes: int  # bytes it wrote between the looks (/proc/PID/io wchar; -1: unread)
+    where: str = ""  # what moved, or the thread that spins or polls, in words
+    tids: list[int] = field(default_factory=list)  # the threads that spin or poll
+
+    def summary(self) -> str:
+        """``polling: woke 48 times in 0.50 s, +0.00s CPU, the same frames``."""
+        if self.kind == "gone":
+            return f"gone: it exited in the {self.interval_s:.2f} s between two looks"
+        moved = "its frames changed" if self.frames_moved else "the same frames"
+        wrote = f", wrote {self.written_bytes} bytes" if self.written_bytes > 0 else ""
+        where = f" ({self.where})" if self.where else ""
+        return (
+            f"{self.kind}: woke {self.voluntary_switches} times in {self.interval_s:.2f} s, "
+            f"+{self.cpu_delta_s:.2f}s CPU, {moved}{wrote}{where}"
+        )
+
+
 @dataclass
 class ProcessReport:
     """One process of the tree as it was at the deadline."""
@@ -386,6 +424,8 @@ class ProcessReport:
     store_waits: list[StoreWait] = field(default_factory=list)  # its threads in store.get/wait
     #: ranks: the frames of its threads' torch.distributed calls, with their arguments' values
     frame_args: list[FrameArgs] = field(default_factory=list)
+    #: what moved between two looks about half a second apart (None: not looked twice)
+    motion: Motion | None = None
 
     def role_data(self) -> Role:
         """The role as data: ``role_facts``, or, in a report built without them, ``role`` read."""
@@ -465,6 +505,8 @@ class HangReport:
                 del proc["frame_args"]
             if proc["group_role"] is None:
                 del proc["group_role"]
+            if proc["motion"] is None:
+                del proc["motion"]
             for role in (proc["role_facts"], proc.get("group_role")):
                 if role is not None and role["owner"] is None:
                     del role["owner"]  # a worker's only: other roles read as before it was kept
@@ -512,6 +554,8 @@ def _process_from_json(doc: dict[str, Any]) -> ProcessReport:
     fields["frame_args"] = [FrameArgs(**a) for a in doc.get("frame_args", [])]
     if doc.get("group_role"):
         fields["group_role"] = Role(**doc["group_role"])
+    if doc.get("motion"):
+        fields["motion"] = Motion(**doc["motion"])
     facts = doc.get("role_facts")
     if facts:
         fields["role_facts"] = Role(**facts)

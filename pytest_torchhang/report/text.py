@@ -198,6 +198,8 @@ def _process_text(
         *_same_as(same or []),
         f"    cmdline: {proc.cmdline[:300]}",
     ]
+    if proc.motion is not None:  # two looks apart: blocked, spinning, polling or moving
+        out.append(f"    motion: {proc.motion.summary()}")
     if proc.dump_status != "ok":
         out.append(f"    ({proc.dump_status})")
     ours = [t for t in proc.threads if is_plugin_thread(t)]

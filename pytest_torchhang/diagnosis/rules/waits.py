@@ -346,7 +346,11 @@ def _polls(proc: ProcessReport) -> tuple[str, Frame] | None:
         return None
     if not frame.line.startswith("while "):
         task = main_task(proc)
-        if not (task is not None and task.call in SLEEP_CALLS and "sleep(" in frame.line):
+        # the two looks saw it sleep and wake: a sleep, whatever the first read caught
+        polled = proc.motion is not None and proc.motion.kind == "polling"
+        if not (
+            task is not None and (task.call in SLEEP_CALLS or polled) and "sleep(" in frame.line
+        ):
             return None
         head = _loop_head(frame)
         if head is None:
@@ -379,6 +383,7 @@ def _producer_gone(
     come (a loop without such a child may just be slow)."""
     task = main_task(proc)
     sleeps = task is not None and task.call in SLEEP_CALLS
+    sleeps = sleeps or (proc.motion is not None and proc.motion.kind == "polling")
     found = _polls(proc) if _spins(proc) or sleeps else None
     if found is None:
         return None
@@ -428,6 +433,8 @@ def hint_poll_dead(procs: list[ProcessReport]) -> list[Hint]:
                 + (
                     f"spins (+{proc.cpu_delta_s:.2f}s CPU during the capture)"
                     if proc.busy
+                    else "sleeps between looks"
+                    if proc.motion is not None and proc.motion.kind == "polling"
                     else "spins (it was running when the capture read it)"
                     if _spins(proc)
                     else "sleeps between looks"
