@@ -359,6 +359,29 @@ class ProcessReport:
 
 
 @dataclass
+class WaitEnd:
+    """One who could end a wait, and what it is doing now or did last (issue 28, item 2)."""
+
+    pid: int
+    thread: str = ""  # a thread's name; "" for the process itself
+    who: str = ""  # ``pytest (pid 7)``, ``thread 'loader-a' of pytest (pid 7)``
+    state: str = ""  # "waits", "idle", "exited", "running", "sleeps", "stopped", "itself"
+    where: str = ""  # ``Barrier.wait() at x.py:18``, ``exited with code 1``
+    last_lines: list[str] = field(default_factory=list)  # an exited one's last stderr lines
+
+
+@dataclass
+class WaitFacts:
+    """A blocked thread's wait as data: the object it waits on and both ends of it."""
+
+    pid: int
+    thread: str  # the waiting thread's name
+    waits_in: str  # ``queue.Queue.put() at x.py:26``, ``recvfrom from 127.0.0.1:80``
+    ends: list[WaitEnd] = field(default_factory=list)  # who could end it
+    known: list[str] = field(default_factory=list)  # facts about the wait, in words
+
+
+@dataclass
 class Hint:
     """A plain-language guess at the cause, with what it is based on."""
 
@@ -366,6 +389,7 @@ class Hint:
     based_on: list[str] = field(default_factory=list)
     rule: str = ""  # the rule that found it (the corpus test counts right / wrong per rule)
     pids: list[int] = field(default_factory=list)  # the processes it explains
+    waits: list[WaitFacts] = field(default_factory=list)  # the waits it states, as data
 
 
 @dataclass
@@ -493,6 +517,9 @@ class HangReport:
             del doc["cause"]
         if not doc["culprits"]:
             del doc["culprits"]
+        for hint in doc["hints"]:
+            if not hint["waits"]:  # a hint that states no wait as data (most rules, today)
+                del hint["waits"]
         for proc, report in zip(doc["processes"], self.processes, strict=True):
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]
@@ -531,10 +558,18 @@ class HangReport:
                 f"reads ({SCHEMA_VERSION}): upgrade pytest-torchhang to read it"
             )
         fields = {k: v for k, v in doc.items() if k not in ("schema", "schema_version")}
-        fields["hints"] = [Hint(**h) for h in doc.get("hints", [])]
+        fields["hints"] = [_hint_from_json(h) for h in doc.get("hints", [])]
         fields["processes"] = [_process_from_json(p) for p in doc.get("processes", [])]
         fields["gone_stderr"] = [StderrTail(**t) for t in doc.get("gone_stderr", [])]
         return cls(**fields)
+
+
+def _hint_from_json(doc: dict[str, Any]) -> Hint:
+    waits = [
+        WaitFacts(**{**w, "ends": [WaitEnd(**e) for e in w.get("ends", [])]})
+        for w in doc.get("waits", [])
+    ]
+    return Hint(**{**doc, "waits": waits})
 
 
 def _process_from_json(doc: dict[str, Any]) -> ProcessReport:

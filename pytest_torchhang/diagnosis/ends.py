@@ -1,0 +1,315 @@
+"""Both ends of a wait: what a blocked thread waits on, who could end that wait, and what each
+of those is doing now or did last (issue 28, item 2).
+
+One mechanism for any hang, described or not: it reads the report's facts (the wait-for graph,
+every thread's stack, exits and stderr tails) and states them; it never names a cause the
+evidence does not show. The ``nobody`` rule and the ``none`` fallback speak through it.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+
+from ..report.groups import idle_loop, idle_service_thread, is_plugin_thread
+from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack, WaitEnd, WaitFacts
+from ..report.waits import Socket
+from .frames import in_file, is_library, located, main_thread, primitive
+from .graph import SLEEP_CALLS, doing, main_task, task_thread, who
+
+#: What ends each kind of wait, in the user's terms (by the primitive's label).
+_ENDED_BY: tuple[tuple[str, str], ...] = (
+    ("Future.result()", "the thread that runs its task (an executor's worker, an event loop's "
+     "thread) or a call of set_result"),
+    ("queue.Queue.put()", "a thread that takes an item from the queue (get)"),
+    ("queue.Queue.get()", "a thread that puts an item in the queue"),
+    ("queue.Queue.join()", "one task_done() call for every item put in the queue"),
+    ("Thread.join()", "the end of the thread it joins"),
+    ("Barrier.wait()", "every party of the Barrier arriving at it"),
+    ("Event.wait()", "a thread that sets the Event"),
+    ("Condition.wait()", "a thread that notifies the Condition"),
+    ("Lock.acquire()", "the thread that holds the lock releasing it"),
+)
+
+#: Where a thread waits for a module's import lock (another thread is importing that module).
+_IMPORT_LOCK = (("<frozen importlib._bootstrap>", ("_lock_unlock_module", "acquire")),)
+_IMPORTING = ("_load_unlocked", "_find_and_load", "exec_module")
+
+
+def ended_by(name: str) -> str:
+    """What ends a wait in ``name`` (``Thread.join()``), or "" when the table does not say."""
+    return next((words for label, words in _ENDED_BY if name == label), "")
+
+
+def _thread_name(thread: ThreadStack | None) -> str:
+    return (thread.name or thread.ident) if thread is not None else ""
+
+
+def _awaits_import_lock(thread: ThreadStack) -> bool:
+    return any(
+        f.filename.startswith("<frozen importlib") and f.name == "_lock_unlock_module"
+        for f in thread.frames[:3]
+    )
+
+
+def importing(thread: ThreadStack) -> str:
+    """The module file the thread is importing (its innermost module frame under importlib),
+    or ""."""
+    frames = thread.frames
+    for i, frame in enumerate(frames):
+        if frame.name == "<module>" and any(
+            f.filename.startswith("<frozen importlib") and f.name in _IMPORTING
+            for f in frames[i + 1 : i + 6]
+        ):
+            return os.path.basename(frame.filename)
+    return ""
+
+
+def loop_thread(proc: ProcessReport, thread: ThreadStack | None) -> bool:
+    """The thread runs an asyncio event loop (the capture saw the loop, or its stack is inside
+    the loop's ``_run_once``)."""
+    if thread is None:
+        return False
+    if any(loop.thread == thread.ident for loop in proc.event_loops):
+        return True
+    return any(in_file(f, "asyncio/base_events.py", "_run_once") for f in thread.frames)
+
+
+def _pool_workers(proc: ProcessReport, prefix: str) -> list[ThreadStack]:
+    return [t for t in proc.threads if t.name.startswith(prefix)]
+
+
+_POOL_THREAD = re.compile(r"^(ThreadPoolExecutor-\d+_)\d+$")
+
+
+def _thread_end(proc: ProcessReport, thread: ThreadStack) -> WaitEnd:
+    """What one other thread of the waiting process is doing."""
+    task = next((t for t in proc.tasks if t.python_thread == thread.ident), None)
+    name, frame = primitive(thread)
+    desc = f"thread '{_thread_name(thread)}' of {who(proc)}"
+    if (task is not None and idle_service_thread(proc, task)) or idle_loop(thread.frames):
+        where = name or (thread.frames[0].name if thread.frames else "")
+        return WaitEnd(proc.pid, thread.name, desc, "idle", f"waits for work in {where}")
+    if _awaits_import_lock(thread):
+        return WaitEnd(proc.pid, thread.name, desc, "waits", "waits for a module's import lock "
+                       f"(another thread is importing that module){located(_user(thread))}")
+    if task is not None and (task.call == "running" or task.state == "R"):
+        return WaitEnd(proc.pid, thread.name, desc, "running", f"runs{located(frame)}")
+    if task is not None and task.call in SLEEP_CALLS:
+        return WaitEnd(proc.pid, thread.name, desc, "sleeps", f"sleeps{located(frame)}")
+    where = name or (f"`{frame.line}`" if frame is not None and frame.line else "")
+    where = where or (thread.frames[0].name if thread.frames else "an unknown place")
+    return WaitEnd(proc.pid, thread.name, desc, "waits", f"waits in {where}{located(frame)}")
+
+
+def _user(thread: ThreadStack) -> Frame | None:
+    return next((f for f in thread.frames if not is_library(f)), None)
+
+
+def _process_end(proc: ProcessReport) -> WaitEnd:
+    """What another process (one the wait-for graph names) is doing, or did last."""
+    if proc.exit_status:
+        return WaitEnd(proc.pid, "", who(proc), "exited", proc.exit_status,
+                       list(proc.stderr_tail[-4:]))
+    if proc.state.startswith("stopped"):
+        return WaitEnd(proc.pid, "", who(proc), "stopped", "is stopped")
+    state = "running" if proc.busy else "waits"
+    return WaitEnd(proc.pid, "", who(proc), state, doing(proc))
+
+
+def wait_facts(
+    proc: ProcessReport, task: TaskWait | None, procs: list[ProcessReport]
+) -> WaitFacts | None:
+    """Both ends of the wait of ``proc``'s main thread (``task``): the object, who could end it
+    (the other threads of its process for a wait inside the process, the processes the
+    wait-for graph names for one across processes, its exited children), and what the
+    evidence says about the wait. None when the process shows no stack."""
+    thread = task_thread(proc, task) if task is not None else main_thread(proc)
+    if thread is None:
+        return None
+    name, frame = primitive(thread)
+    if task is not None and isinstance(task.wait, Socket) and task.call:
+        peer = f" from {task.wait.remote}" if task.wait.remote else ""
+        waits_in = f"{task.call}{peer}{located(frame)}"
+    else:
+        waits_in = f"{name or proc.stuck_at or 'an unknown place'}{located(frame)}"
+    facts = WaitFacts(proc.pid, _thread_name(thread), waits_in)
+    by_pid = {p.pid: p for p in procs}
+    across = sorted(
+        {e.pid for e in (task.waits_for if task else []) if e.pid > 0 and e.pid != proc.pid}
+    )
+    facts.ends += [_process_end(by_pid[pid]) for pid in across if pid in by_pid]
+    if not across:
+        facts.ends += [
+            _thread_end(proc, t)
+            for t in proc.threads
+            if t.ident != thread.ident and not is_plugin_thread(t)
+        ]
+    facts.ends += [
+        _process_end(p) for p in procs if p.ppid == proc.pid and p.exit_status and p.pid not in across
+    ]
+    facts.known += _known(proc, thread, name, facts.ends)
+    return facts
+
+
+def _known(
+    proc: ProcessReport, thread: ThreadStack, name: str, ends: list[WaitEnd]
+) -> list[str]:
+    """What the evidence says about this wait beyond where each end is."""
+    known = []
+    ending = ended_by(name)
+    if ending:
+        known.append(f"{name} ends by {ending}")
+    if loop_thread(proc, thread):
+        known.append(
+            "it waits on the thread of a running asyncio event loop (its own loop's thread): "
+            "while it waits, that loop runs nothing else, none of its tasks and callbacks"
+        )
+    held = _holds_already(thread)
+    if held:
+        known.append(held)
+    module = importing(thread)
+    if module:
+        known.append(f"it waits while it is itself importing {module}")
+    live = [e for e in ends if e.thread and e.state != "idle"]
+    match = _POOL_THREAD.match(thread.name)
+    if name == "Future.result()" and match:
+        workers = _pool_workers(proc, match.group(1))
+        if len(workers) == 1:
+            known.append(
+                f"it is itself the only worker thread of its executor ('{thread.name}'): a "
+                "task of that executor waits for a result only that same worker could compute"
+            )
+    if name == "Future.result()":
+        known += _busy_executors(proc, thread)
+    if name == "Future.result()" and not loop_thread(proc, thread):
+        runners = [
+            t
+            for t in proc.threads
+            if t.ident != thread.ident
+            and (_POOL_THREAD.match(t.name) or t.name.startswith("asyncio_") or loop_thread(proc, t))
+        ]
+        if not runners:
+            known.append(
+                "no other thread of the process runs an executor's task or an event loop: the "
+                "thread that was to complete it ended or never started, or is one of the "
+                "threads named here, waiting"
+            )
+    if name == "queue.Queue.put()" and not any("Queue.get()" in e.where for e in live):
+        known.append(
+            "no thread of the process waits to take from a queue: the consumer thread ended or "
+            "never started, or is one of the threads named here, waiting elsewhere"
+        )
+    if name == "queue.Queue.join()":
+        getters = [e for e in ends if "Queue.get()" in e.where]
+        if getters:
+            known.append(
+                f"{len(getters)} thread(s) wait in queue.Queue.get(): if they serve this queue, "
+                "it is empty (every item was taken) and at least one item was never marked "
+                "task_done()"
+            )
+    if name == "Barrier.wait()" or any("Barrier.wait()" in e.where for e in live):
+        known.append(
+            "a Barrier.wait() ends when every party arrives: a party that is none of the "
+            "threads waiting in it ended (an exception, a return) or never reached it"
+        )
+    if any("import lock" in e.where for e in live) and module:
+        known.append(
+            "a thread waits for a module's import lock while this thread, inside an import, "
+            "waits for it: neither can move until the import ends"
+        )
+    return known
+
+
+def render(facts: WaitFacts) -> str:
+    """The wait in words, rendered from its facts: ``… waits in X; who could end it: A waits in
+    Y, B exited with code 1 (last line: …); the evidence: …``."""
+    parts = []
+    for end in facts.ends:
+        line = f"{end.who} {end.where}"
+        if end.last_lines:
+            line += f" (its last stderr line: {end.last_lines[-1].strip()!r})"
+        parts.append(line)
+    text = f"waits in {facts.waits_in}"
+    if parts:
+        text += "; who could end it: " + "; ".join(parts)
+    if facts.known:
+        text += "; " + "; ".join(facts.known)
+    return text
+
+
+def pool_thread(thread: ThreadStack) -> bool:
+    """A worker thread of a ``ThreadPoolExecutor`` (by its name or its loop)."""
+    return bool(_POOL_THREAD.match(thread.name)) or any(
+        in_file(f, "concurrent/futures/thread.py", "_worker") for f in thread.frames
+    )
+
+
+def _busy_executors(proc: ProcessReport, waiter: ThreadStack) -> list[str]:
+    """Executors whose every worker thread waits, inside a task, in ``Future.result()``."""
+    pools: dict[str, list[ThreadStack]] = {}
+    for thread in proc.threads:
+        match = _POOL_THREAD.match(thread.name)
+        if match:
+            pools.setdefault(match.group(1), []).append(thread)
+    said = []
+    for prefix, workers in sorted(pools.items()):
+        if all(primitive(t)[0] == "Future.result()" for t in workers):
+            many = "its only worker thread" if len(workers) == 1 else f"all {len(workers)} workers"
+            said.append(
+                f"executor '{prefix.rstrip('_')}' has {many} waiting itself in Future.result() "
+                "inside a task: no worker of it is free to run another task, so a result of "
+                "that same executor is never computed"
+            )
+    return said
+
+
+_WITH = re.compile(r"^\s*with\s+(.+?)\s*(?:as\s+\w+\s*)?:|^\s*([\w.\[\]]+)\.acquire\(")
+
+
+def _holds_already(thread: ThreadStack) -> str:
+    """The thread waits at ``with X:`` (or ``X.acquire(``) while a frame lower in its own stack
+    runs inside that same ``with`` (the same function of the same file, on a line of its
+    block): it already holds what it waits for. Says also when the frames between were
+    entered by a signal handler (a frame on a ``signal.signal(`` line)."""
+    frames = thread.frames
+    top = next((i for i, f in enumerate(frames) if not is_library(f)), None)
+    if top is None or not _WITH.match(frames[top].line):
+        return ""
+    here = frames[top]
+    lines = linecache.getlines(here.filename)
+    for i in range(top + 1, len(frames)):
+        low = frames[i]
+        if (low.filename, low.name) != (here.filename, here.name) or low.lineno <= here.lineno:
+            continue
+        if not _inside_block(lines, here.lineno, low.lineno):
+            continue
+        said = (
+            f"the same thread already holds what it waits for: lower in its own stack, "
+            f"{low.name} at {os.path.basename(low.filename)}:{low.lineno} runs inside that "
+            "same block"
+        )
+        handler = next(
+            (f for f in frames[top + 1 : i] if "signal.signal(" in f.line or f.name.startswith("handle")
+             and "signum" in f.line),
+            None,
+        )
+        if handler is not None:
+            said += (
+                f", and the frames between were entered by a signal handler "
+                f"({located(handler).strip()}) that interrupted it there"
+            )
+        return said
+    return ""
+
+
+def _inside_block(lines: list[str], head: int, line: int) -> bool:
+    """Line ``line`` is in the indented block under line ``head`` (1-based)."""
+    if not lines or line > len(lines):
+        return False
+    indent = len(lines[head - 1]) - len(lines[head - 1].lstrip())
+    for text in lines[head:line]:
+        if text.strip() and len(text) - len(text.lstrip()) <= indent:
+            return False
+    return True
