@@ -13,15 +13,18 @@ import os
 import re
 
 from ..report.groups import idle_loop, idle_service_thread, is_plugin_thread
-from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack, WaitEnd, WaitFacts
-from ..report.waits import Socket
+from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack
+from ..report.waits import Socket, WaitEnd, WaitFacts
 from .frames import in_file, is_library, located, main_thread, primitive
-from .graph import SLEEP_CALLS, doing, main_task, task_thread, who
+from .graph import SLEEP_CALLS, doing, task_thread, who
 
 #: What ends each kind of wait, in the user's terms (by the primitive's label).
 _ENDED_BY: tuple[tuple[str, str], ...] = (
-    ("Future.result()", "the thread that runs its task (an executor's worker, an event loop's "
-     "thread) or a call of set_result"),
+    (
+        "Future.result()",
+        "the thread that runs its task (an executor's worker, an event loop's "
+        "thread) or a call of set_result",
+    ),
     ("queue.Queue.put()", "a thread that takes an item from the queue (get)"),
     ("queue.Queue.get()", "a thread that puts an item in the queue"),
     ("queue.Queue.join()", "one task_done() call for every item put in the queue"),
@@ -92,8 +95,14 @@ def _thread_end(proc: ProcessReport, thread: ThreadStack) -> WaitEnd:
         where = name or (thread.frames[0].name if thread.frames else "")
         return WaitEnd(proc.pid, thread.name, desc, "idle", f"waits for work in {where}")
     if _awaits_import_lock(thread):
-        return WaitEnd(proc.pid, thread.name, desc, "waits", "waits for a module's import lock "
-                       f"(another thread is importing that module){located(_user(thread))}")
+        return WaitEnd(
+            proc.pid,
+            thread.name,
+            desc,
+            "waits",
+            "waits for a module's import lock "
+            f"(another thread is importing that module){located(_user(thread))}",
+        )
     if task is not None and (task.call == "running" or task.state == "R"):
         return WaitEnd(proc.pid, thread.name, desc, "running", f"runs{located(frame)}")
     if task is not None and task.call in SLEEP_CALLS:
@@ -110,8 +119,9 @@ def _user(thread: ThreadStack) -> Frame | None:
 def _process_end(proc: ProcessReport) -> WaitEnd:
     """What another process (one the wait-for graph names) is doing, or did last."""
     if proc.exit_status:
-        return WaitEnd(proc.pid, "", who(proc), "exited", proc.exit_status,
-                       list(proc.stderr_tail[-4:]))
+        return WaitEnd(
+            proc.pid, "", who(proc), "exited", proc.exit_status, list(proc.stderr_tail[-4:])
+        )
     if proc.state.startswith("stopped"):
         return WaitEnd(proc.pid, "", who(proc), "stopped", "is stopped")
     state = "running" if proc.busy else "waits"
@@ -147,15 +157,15 @@ def wait_facts(
             if t.ident != thread.ident and not is_plugin_thread(t)
         ]
     facts.ends += [
-        _process_end(p) for p in procs if p.ppid == proc.pid and p.exit_status and p.pid not in across
+        _process_end(p)
+        for p in procs
+        if p.ppid == proc.pid and p.exit_status and p.pid not in across
     ]
     facts.known += _known(proc, thread, name, facts.ends)
     return facts
 
 
-def _known(
-    proc: ProcessReport, thread: ThreadStack, name: str, ends: list[WaitEnd]
-) -> list[str]:
+def _known(proc: ProcessReport, thread: ThreadStack, name: str, ends: list[WaitEnd]) -> list[str]:
     """What the evidence says about this wait beyond where each end is."""
     known = []
     ending = ended_by(name)
@@ -188,7 +198,9 @@ def _known(
             t
             for t in proc.threads
             if t.ident != thread.ident
-            and (_POOL_THREAD.match(t.name) or t.name.startswith("asyncio_") or loop_thread(proc, t))
+            and (
+                _POOL_THREAD.match(t.name) or t.name.startswith("asyncio_") or loop_thread(proc, t)
+            )
         ]
         if not runners:
             known.append(
@@ -291,8 +303,12 @@ def _holds_already(thread: ThreadStack) -> str:
             "same block"
         )
         handler = next(
-            (f for f in frames[top + 1 : i] if "signal.signal(" in f.line or f.name.startswith("handle")
-             and "signum" in f.line),
+            (
+                f
+                for f in frames[top + 1 : i]
+                if "signal.signal(" in f.line
+                or (f.name.startswith("handle") and "signum" in f.line)
+            ),
             None,
         )
         if handler is not None:

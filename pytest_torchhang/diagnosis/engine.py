@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from ..report import groups
 from ..report.model import Hint, ProcessReport
+from ..report.waits import WaitFacts
 from .ends import render, wait_facts
 from .frames import waits_in_user_code
 from .graph import main_task
@@ -269,7 +270,9 @@ def _both_ends(processes: list[ProcessReport]) -> Hint:
         for p in processes
         if p.stuck_at and not is_helper(p) and not p.exit_status and not groups.idle_service(p)
     ]
-    waits, named, said = [], set(), []
+    waits: list[WaitFacts] = []
+    named: set[int] = set()
+    said: list[str] = []
     for proc in stuck:
         facts = wait_facts(proc, main_task(proc), processes)
         if facts is None or proc.pid in named:

@@ -9,7 +9,7 @@ from typing import Any
 from .. import clock
 from . import signals, waits
 from .signals import SignalFacts
-from .waits import WaitObject
+from .waits import WaitFacts, WaitObject
 
 #: Version of the JSON document written per hang; bump on incompatible changes.
 SCHEMA_VERSION = 1
@@ -359,29 +359,6 @@ class ProcessReport:
 
 
 @dataclass
-class WaitEnd:
-    """One who could end a wait, and what it is doing now or did last (issue 28, item 2)."""
-
-    pid: int
-    thread: str = ""  # a thread's name; "" for the process itself
-    who: str = ""  # ``pytest (pid 7)``, ``thread 'loader-a' of pytest (pid 7)``
-    state: str = ""  # "waits", "idle", "exited", "running", "sleeps", "stopped", "itself"
-    where: str = ""  # ``Barrier.wait() at x.py:18``, ``exited with code 1``
-    last_lines: list[str] = field(default_factory=list)  # an exited one's last stderr lines
-
-
-@dataclass
-class WaitFacts:
-    """A blocked thread's wait as data: the object it waits on and both ends of it."""
-
-    pid: int
-    thread: str  # the waiting thread's name
-    waits_in: str  # ``queue.Queue.put() at x.py:26``, ``recvfrom from 127.0.0.1:80``
-    ends: list[WaitEnd] = field(default_factory=list)  # who could end it
-    known: list[str] = field(default_factory=list)  # facts about the wait, in words
-
-
-@dataclass
 class Hint:
     """A plain-language guess at the cause, with what it is based on."""
 
@@ -565,11 +542,7 @@ class HangReport:
 
 
 def _hint_from_json(doc: dict[str, Any]) -> Hint:
-    waits = [
-        WaitFacts(**{**w, "ends": [WaitEnd(**e) for e in w.get("ends", [])]})
-        for w in doc.get("waits", [])
-    ]
-    return Hint(**{**doc, "waits": waits})
+    return Hint(**{**doc, "waits": [waits.facts_from_json(w) for w in doc.get("waits", [])]})
 
 
 def _process_from_json(doc: dict[str, Any]) -> ProcessReport:

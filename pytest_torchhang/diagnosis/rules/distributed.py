@@ -248,7 +248,7 @@ def _same_call(ranks: list[ProcessReport]) -> str:
             )
     keys = {(c.seq, c.name, tuple(map(tuple, c.sizes))) for c in pending.values() if c}
     if len(keys) == 1 and len(ranks) == (world_size(ranks[0]) or len(ranks)):
-        (seq, name, _), = keys
+        ((seq, name, _),) = keys
         if name in _SENDS | _RECVS:
             return ""
         return (

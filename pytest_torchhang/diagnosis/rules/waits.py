@@ -9,6 +9,7 @@ import re
 from ...report.groups import idle_service
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ...report.waits import HOLDS_WRITE_END, LISTENING, NOBODY, OUTSIDE, SOCKET_PEER, Futex, Socket
+from ..ends import loop_thread, pool_thread, render, wait_facts
 from ..frames import (
     collective_of,
     fork_parent,
@@ -18,7 +19,6 @@ from ..frames import (
     main_thread,
     primitive,
 )
-from ..ends import loop_thread, pool_thread, render, wait_facts
 from ..graph import (
     READS,
     SLEEP_CALLS,
@@ -151,8 +151,10 @@ def _why_alone(
 def _forked_from_a_pool(proc: ProcessReport, parent: ProcessReport | None) -> bool:
     """``proc`` is a fork child (same program, no exec) of a process that has pool threads of
     its own: the evidence the fork clause of a lost Future needs."""
-    return parent is not None and any(pool_thread(t) for t in parent.threads) and not any(
-        pool_thread(t) for t in proc.threads
+    return (
+        parent is not None
+        and any(pool_thread(t) for t in parent.threads)
+        and not any(pool_thread(t) for t in proc.threads)
     )
 
 
@@ -317,7 +319,8 @@ def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
     found = [_on_this_machine(proc, procs) for proc in local]
     if not hits:
         return found
-    return found + [
+    return [
+        *found,
         Hint(
             f"{len(hits)} process(es) wait for data on a socket whose other end is no process of "
             f"this test (a server, a service, or a process started before the test): "
@@ -325,7 +328,7 @@ def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
             based,
             rule="outside",
             pids=pids,
-        )
+        ),
     ]
 
 
