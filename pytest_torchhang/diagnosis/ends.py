@@ -124,6 +124,23 @@ def _process_end(proc: ProcessReport) -> WaitEnd:
         )
     if proc.state.startswith("stopped"):
         return WaitEnd(proc.pid, "", who(proc), "stopped", "is stopped")
+    if not proc.threads and proc.stderr_tail:  # gone while it was captured: its last words
+        return WaitEnd(proc.pid, "", who(proc), "exited", "ended", list(proc.stderr_tail[-4:]))
+    main = main_thread(proc)
+    if main is not None and main.frames and in_file(main.frames[0], "/threading.py", "_shutdown"):
+        others = [
+            _thread_end(proc, t).where
+            for t in proc.threads
+            if t is not main and not is_plugin_thread(t)
+        ]
+        return WaitEnd(
+            proc.pid,
+            "",
+            who(proc),
+            "exiting",
+            "has finished its main code and, exiting, waits in threading._shutdown for its "
+            f"non-daemon threads to end ({'; '.join(others) or 'none is shown'})",
+        )
     state = "running" if proc.busy else "waits"
     return WaitEnd(proc.pid, "", who(proc), state, doing(proc))
 
@@ -159,15 +176,29 @@ def wait_facts(
     facts.ends += [
         _process_end(p)
         for p in procs
-        if p.ppid == proc.pid and p.exit_status and p.pid not in across
+        if p.pid not in across
+        and ((p.ppid == proc.pid and p.exit_status) or (p.ppid == 0 and not p.threads))
+        and (p.exit_status or p.stderr_tail)
     ]
-    facts.known += _known(proc, thread, name, facts.ends)
+    facts.known += _known(proc, thread, name, facts.ends, procs)
     return facts
 
 
-def _known(proc: ProcessReport, thread: ThreadStack, name: str, ends: list[WaitEnd]) -> list[str]:
+def _known(
+    proc: ProcessReport,
+    thread: ThreadStack,
+    name: str,
+    ends: list[WaitEnd],
+    procs: list[ProcessReport],
+) -> list[str]:
     """What the evidence says about this wait beyond where each end is."""
-    known = []
+    known = pool_handlers(proc, name)
+    putters = [e for e in ends if "multiprocessing Queue.put()" in e.where]
+    if (putters or name == "multiprocessing Queue.put()") and not _anyone_in(procs, "Queue.get()"):
+        known.append(
+            "a put into a multiprocessing queue blocks when the queue is full; no thread of "
+            "any process of the test waits to get from a queue: no reader drains it now"
+        )
     ending = ended_by(name)
     if ending:
         known.append(f"{name} ends by {ending}")
@@ -329,3 +360,45 @@ def _inside_block(lines: list[str], head: int, line: int) -> bool:
         if text.strip() and len(text) - len(text.lstrip()) <= indent:
             return False
     return True
+
+
+def _anyone_in(procs: list[ProcessReport], call: str) -> bool:
+    """Some thread of some process of the tree waits in ``call`` (``Queue.get()``)."""
+    return any(call in primitive(t)[0] for p in procs for t in p.threads)
+
+
+#: A multiprocessing.Pool's handler threads in the parent, by the function they run.
+_POOL_HANDLERS = ("_handle_workers", "_handle_tasks", "_handle_results")
+
+
+def pool_handlers(proc: ProcessReport, name: str) -> list[str]:
+    """For a wait on a Pool's result: what the Pool's result-handler thread (the one that
+    delivers results and runs callbacks) is doing, or that it is gone."""
+    if name not in ("Pool.map()", "AsyncResult.get()", "Event.wait()"):
+        return []
+    running = {
+        h: t
+        for t in proc.threads
+        for h in _POOL_HANDLERS
+        if any(in_file(f, "multiprocessing/pool.py", h) for f in t.frames)
+    }
+    if not running:
+        return []
+    results = running.get("_handle_results")
+    if results is None:
+        if name == "Event.wait()":
+            return []
+        return [
+            "the Pool's result-handler thread (which delivers every result and runs the "
+            "callbacks) is not among its threads while its other handler threads are: it "
+            "ended, and no result is delivered any more"
+        ]
+    user = _user(results)
+    if user is not None:
+        inner, frame = primitive(results)
+        return [
+            f"the Pool's result-handler thread '{results.name}', which delivers every result "
+            f"and runs the callbacks, is itself waiting{' in ' + inner if inner else ''} inside a "
+            f"callback ({user.name}{located(frame)}): while it waits, it delivers no result"
+        ]
+    return []
