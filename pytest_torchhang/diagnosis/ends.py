@@ -265,21 +265,22 @@ def _known(
     return known
 
 
-def render(facts: WaitFacts) -> str:
-    """The wait in words, rendered from its facts: ``… waits in X; who could end it: A waits in
-    Y, B exited with code 1 (last line: …); the evidence: …``."""
+def render(facts: WaitFacts, *, head: bool = True) -> str:
+    """The wait in words, rendered from its facts: ``waits in X. Who could end it: A waits in
+    Y; B exited with code 1 (its last stderr line: …). Known: …``; without ``head``, only the
+    sentences after the first."""
     parts = []
     for end in facts.ends:
         line = f"{end.who} {end.where}"
         if end.last_lines:
-            line += f" (its last stderr line: {end.last_lines[-1].strip()!r})"
+            line += f" (its last stderr line: `{end.last_lines[-1].strip()}`)"
         parts.append(line)
-    text = f"waits in {facts.waits_in}"
+    sentences = [f"waits in {facts.waits_in}."] if head else []
     if parts:
-        text += "; who could end it: " + "; ".join(parts)
+        sentences.append("Who could end it: " + "; ".join(parts) + ".")
     if facts.known:
-        text += "; " + "; ".join(facts.known)
-    return text
+        sentences.append("Known: " + "; ".join(facts.known) + ".")
+    return " ".join(sentences)
 
 
 def pool_thread(thread: ThreadStack) -> bool:

@@ -280,10 +280,10 @@ def _both_ends(processes: list[ProcessReport]) -> Hint:
         waits.append(facts)
         named.update(e.pid for e in facts.ends)
         said.append(f"{proc.role} (pid {proc.pid}) {render(facts)}")
-    said_text = "; ".join(said)
+    said_text = " ".join(said)
     return Hint(
-        "no known hang pattern matched"
-        + (f"; what is known: {said_text}." if said_text else "")
+        "no known hang pattern matched."
+        + (f" What is known: {said_text}" if said_text else "")
         + " The stacks below show where each process waits (innermost frame first).",
         rule="none",
         pids=[f.pid for f in waits],

@@ -198,14 +198,14 @@ def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]
                 facts = wait_facts(proc, task, procs)
                 if facts is not None:
                     waits.append(facts)
-                stated = f"; {render(facts).partition('; ')[2]}" if facts is not None else ""
+                stated = f". {render(facts, head=False)}" if facts is not None else ""
                 parts.append(
                     f"{who(proc)} waits in {waits_in_words(proc, task, name, frame)}, and no thread "
                     f"or process of the test is left to end that wait: "
                     f"{_why_alone(proc, task, name, parent, is_worker(proc))}{stated}"
                 )
             others = [p for p in listed if p not in alone]
-            text = ". ".join(parts) + "."
+            text = " ".join(part if part.endswith(".") else part + "." for part in parts)
             if others:
                 text += (
                     " Waiting for it: " + "; ".join(f"{who(p)} {doing(p)}" for p in others) + "."
@@ -352,7 +352,7 @@ def _on_this_machine(proc: ProcessReport, procs: list[ProcessReport]) -> Hint:
     facts = wait_facts(proc, task, procs)
     remote = task.wait.remote if task is not None and isinstance(task.wait, Socket) else ""
     return Hint(
-        f"{who(proc)} {render(facts) if facts else 'waits on a socket'}; its peer {remote} is a "
+        f"{who(proc)} {render(facts) if facts else 'waits on a socket.'} Its peer {remote} is a "
         "server of the test's own (a socket of the tree listens on that port), and no thread "
         "has accepted the connection yet.",
         [f"{who(proc)} blocked in {task.summary() if task else '?'}"],
