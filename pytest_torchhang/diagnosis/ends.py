@@ -224,13 +224,17 @@ def _known(
             )
     if name == "Future.result()":
         known += _busy_executors(proc, thread)
+        known += _process_pool(proc, procs)
     if name == "Future.result()" and not loop_thread(proc, thread):
         runners = [
             t
             for t in proc.threads
             if t.ident != thread.ident
             and (
-                _POOL_THREAD.match(t.name) or t.name.startswith("asyncio_") or loop_thread(proc, t)
+                _POOL_THREAD.match(t.name)
+                or t.name.startswith("asyncio_")
+                or loop_thread(proc, t)
+                or any(in_file(f, "concurrent/futures/process.py", "run") for f in t.frames)
             )
         ]
         if not runners:
@@ -403,3 +407,33 @@ def pool_handlers(proc: ProcessReport, name: str) -> list[str]:
             f"callback ({user.name}{located(frame)}): while it waits, it delivers no result"
         ]
     return []
+
+
+def _process_pool(proc: ProcessReport, procs: list[ProcessReport]) -> list[str]:
+    """A ``ProcessPoolExecutor``'s manager thread runs in ``proc`` and no worker process of it
+    is alive in the tree."""
+    managers = [
+        t
+        for t in proc.threads
+        if any(in_file(f, "concurrent/futures/process.py", "run") for f in t.frames)
+    ]
+    if not managers:
+        return []
+    workers = [
+        p
+        for p in procs
+        if p.ppid == proc.pid
+        and not p.exit_status
+        and any(
+            in_file(f, "concurrent/futures/process.py", "_process_worker")
+            for t in p.threads
+            for f in t.frames
+        )
+    ]
+    if workers:
+        return []
+    return [
+        f"the process pool's manager thread '{managers[0].name}' waits for a result, and no "
+        "worker process of the pool is alive among the test's processes: its workers exited "
+        "and none replaced them, or none ever started"
+    ]
