@@ -14,7 +14,7 @@ import re
 
 from ..report.groups import idle_loop, idle_service_thread, is_plugin_thread
 from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack
-from ..report.waits import Socket, WaitEnd, WaitFacts
+from ..report.waits import Futex, Socket, WaitEnd, WaitFacts
 from .frames import in_file, is_library, located, main_thread, primitive
 from .graph import SLEEP_CALLS, doing, task_thread, who
 
@@ -207,7 +207,9 @@ def _known(
             "it waits on the thread of a running asyncio event loop (its own loop's thread): "
             "while it waits, that loop runs nothing else, none of its tasks and callbacks"
         )
-    held = _holds_already(thread)
+    task = next((t for t in proc.tasks if t.python_thread == thread.ident), None)
+    lock = task is not None and isinstance(task.wait, Futex)
+    held = holds_already(thread.frames, "thread", "the lock" if lock else "what")
     if held:
         known.append(held)
     module = importing(thread)
@@ -313,30 +315,43 @@ def _busy_executors(proc: ProcessReport, waiter: ThreadStack) -> list[str]:
     return said
 
 
-_WITH = re.compile(r"^\s*with\s+(.+?)\s*(?:as\s+\w+\s*)?:|^\s*([\w.\[\]]+)\.acquire\(")
+_WITH = re.compile(
+    r"^\s*(?:async\s+)?with\s+(.+?)\s*(?:as\s+\w+\s*)?:|^\s*(?:await\s+)?([\w.\[\]]+)\.acquire\("
+)
 
 
-def _holds_already(thread: ThreadStack) -> str:
-    """The thread waits at ``with X:`` (or ``X.acquire(``) while a frame lower in its own stack
-    runs inside that same ``with`` (the same function of the same file, on a line of its
-    block): it already holds what it waits for. Says also when the frames between were
-    entered by a signal handler (a frame on a ``signal.signal(`` line)."""
-    frames = thread.frames
+def _held_expr(line: str) -> str:
+    match = _WITH.match(line)
+    return (match.group(1) or match.group(2) or "") if match else ""
+
+
+def holds_already(frames: list[Frame], holder: str, what: str = "what") -> str:
+    """The stack (innermost first) waits at ``with X:`` (or ``X.acquire(``) while a frame lower
+    in the same stack runs inside a ``with X:`` of its own (the same expression, in the same
+    file): it already holds what it waits for, if ``X`` is the same object there. Says also
+    when the frames between were entered by a signal handler (a frame on a
+    ``signal.signal(`` line). ``holder``: "thread" or "task"; ``what``: "the lock" when the
+    wait is known to be a lock's (a futex under a ``with``, an asyncio Lock)."""
     top = next((i for i, f in enumerate(frames) if not is_library(f)), None)
-    if top is None or not _WITH.match(frames[top].line):
+    if top is None:
         return ""
     here = frames[top]
-    lines = linecache.getlines(here.filename)
+    expr = _held_expr(here.line)
+    if not expr:
+        return ""
     for i in range(top + 1, len(frames)):
         low = frames[i]
-        if (low.filename, low.name) != (here.filename, here.name) or low.lineno <= here.lineno:
+        if low.filename != here.filename:
             continue
-        if not _inside_block(lines, here.lineno, low.lineno):
+        lines = linecache.getlines(low.filename)
+        inside = _enclosing_with(lines, low.lineno, expr)
+        if not inside:
             continue
+        same = "" if low.name == here.name else f", if {expr} is the same object there"
         said = (
-            f"the same thread already holds what it waits for: lower in its own stack, "
-            f"{low.name} at {os.path.basename(low.filename)}:{low.lineno} runs inside that "
-            "same block"
+            f"the same {holder} already holds {what} it waits for{same}: lower in its own stack, "
+            f"{low.name} at {os.path.basename(low.filename)}:{low.lineno} runs inside "
+            f"`{lines[inside - 1].strip()}` (line {inside})"
         )
         handler = next(
             (
@@ -354,6 +369,28 @@ def _holds_already(thread: ThreadStack) -> str:
             )
         return said
     return ""
+
+
+def _enclosing_with(lines: list[str], lineno: int, expr: str) -> int:
+    """The line number of a ``with expr:`` (or ``expr.acquire(``) whose block holds line
+    ``lineno``, within its function; 0 when there is none."""
+    if not lines or lineno > len(lines):
+        return 0
+    here = lines[lineno - 1]
+    indent = len(here) - len(here.lstrip())
+    for number in range(lineno - 1, 0, -1):
+        text = lines[number - 1]
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        depth = len(text) - len(text.lstrip())
+        if depth >= indent:
+            continue
+        if text.lstrip().startswith(("def ", "async def ", "class ")):
+            return 0
+        if _held_expr(text) == expr:
+            return number
+        indent = depth
+    return 0
 
 
 def _inside_block(lines: list[str], head: int, line: int) -> bool:

@@ -4,6 +4,7 @@ a Queue) that nothing in the process can set, release or fill any more."""
 from __future__ import annotations
 
 import os
+import re
 
 from ...inject.protocol import PLUGIN_THREAD_NAMES
 from ...report.model import (
@@ -15,6 +16,7 @@ from ...report.model import (
     ThreadStack,
     same_thread,
 )
+from ..ends import holds_already
 from ..frames import in_file, is_library, located
 from ..graph import edge_lines, edges_to, waiters_text, who
 
@@ -114,6 +116,28 @@ def _state(task: AsyncTask) -> str:
     return _STATE.get(task.detail, task.detail)
 
 
+_UNFINISHED = re.compile(r"\b(\d+) not task_done\(\)")
+
+
+def _task_known(task: AsyncTask, loop: EventLoop) -> str:
+    """What the task's own evidence says of its wait (issue 28, item 2): it holds the lock it
+    awaits; a ``Queue.join()`` on an empty queue with items never marked done."""
+    if task.awaits == "Lock":
+        held = holds_already(task.frames, "task", "the lock")
+        if held:
+            return held
+    unfinished = _UNFINISHED.search(task.detail)
+    if task.call == "Queue.join()" and unfinished and task.detail.startswith("0 item"):
+        getters = [t.name for t in loop.tasks if t.call == "Queue.get()" and t.obj == task.obj]
+        return (
+            f"every item was taken and {unfinished.group(1)} of them never marked "
+            "task_done(): a task that took one ended (returned or raised) before marking it "
+            "done, or skipped the call"
+            + (f"; waiting for a new item now: {', '.join(map(repr, getters))}" if getters else "")
+        )
+    return ""
+
+
 def _evidence(task: AsyncTask) -> str:
     return f"{task.label()} awaits {task.awaited()}" + (f" [{task.detail}]" if task.detail else "")
 
@@ -154,6 +178,8 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
         sentence = _subject(task)
         state = _state(task) + _referrers(task, loop)
         sentence += f" ({state})" if state else ""
+        known = _task_known(task, loop)
+        sentence += f"; {known}" if known else ""
         if final:
             sentence += f"; nothing in the process will {_ends(task)}"
         sentences.append(sentence)
