@@ -138,6 +138,20 @@ def _task_known(task: AsyncTask, loop: EventLoop) -> str:
     return ""
 
 
+#: The system calls an asyncio selector sleeps in.
+_SELECT_CALLS = ("epoll_wait", "epoll_pwait", "select", "pselect6", "poll", "ppoll")
+
+
+def _asleep_with_ready(proc: ProcessReport, loop: EventLoop, thread: ThreadStack | None) -> bool:
+    """The loop has ready callbacks while its thread sleeps in select without a timeout (the
+    kernel's evidence): the loop selects with a zero timeout when something is ready, so the
+    callback came after it fell asleep, from another thread, with no wake-up."""
+    if thread is None or loop.ready <= 0:
+        return False
+    task = next((t for t in proc.tasks if same_thread(t.python_thread, thread.ident)), None)
+    return task is not None and task.call in _SELECT_CALLS and not task.timed
+
+
 def _evidence(task: AsyncTask) -> str:
     return f"{task.label()} awaits {task.awaited()}" + (f" [{task.detail}]" if task.detail else "")
 
@@ -202,6 +216,14 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
         text += (
             f" Its event loop is running {running[0].label()}, and runs no other task until that "
             "one awaits or returns: the loop's thread's stack shows where it is."
+        )
+    elif _asleep_with_ready(proc, loop, thread):
+        text += (
+            f" Its event loop has {loop.ready} ready callback(s), yet its thread sleeps in "
+            "select with no timeout: the loop only waits there when nothing is ready, so the "
+            "callback was added while it slept, by another thread, without waking it (a Future "
+            "set, or a callback scheduled, from another thread with no call_soon_threadsafe); "
+            "only an event on its file descriptors or timers wakes it now."
         )
     elif not loop.idle():
         text += f" Its event loop may still be woken by {loop.wakers()}."
