@@ -86,7 +86,7 @@ def _pool_workers(proc: ProcessReport, prefix: str) -> list[ThreadStack]:
 _POOL_THREAD = re.compile(r"^(ThreadPoolExecutor-\d+_)\d+$")
 
 
-def _thread_end(proc: ProcessReport, thread: ThreadStack) -> WaitEnd:
+def thread_end(proc: ProcessReport, thread: ThreadStack) -> WaitEnd:
     """What one other thread of the waiting process is doing."""
     task = next((t for t in proc.tasks if t.python_thread == thread.ident), None)
     name, frame = primitive(thread)
@@ -129,7 +129,7 @@ def _process_end(proc: ProcessReport) -> WaitEnd:
     main = main_thread(proc)
     if main is not None and main.frames and in_file(main.frames[0], "/threading.py", "_shutdown"):
         others = [
-            _thread_end(proc, t).where
+            thread_end(proc, t).where
             for t in proc.threads
             if t is not main and not is_plugin_thread(t)
         ]
@@ -169,7 +169,7 @@ def wait_facts(
     facts.ends += [_process_end(by_pid[pid]) for pid in across if pid in by_pid]
     if not across:
         facts.ends += [
-            _thread_end(proc, t)
+            thread_end(proc, t)
             for t in proc.threads
             if t.ident != thread.ident and not is_plugin_thread(t)
         ]

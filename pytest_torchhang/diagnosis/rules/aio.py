@@ -16,7 +16,7 @@ from ...report.model import (
     ThreadStack,
     same_thread,
 )
-from ..ends import holds_already
+from ..ends import holds_already, thread_end
 from ..frames import in_file, is_library, located
 from ..graph import edge_lines, edges_to, waiters_text, who
 
@@ -59,6 +59,19 @@ def _thread_words(thread: ThreadStack) -> str:
     start = thread.frames[-1] if thread.frames else None
     where = f" started in {os.path.basename(start.filename)} {start.name}" if start else ""
     return f"thread {thread.ident}{where}"
+
+
+def _thread_doing(proc: ProcessReport, thread: ThreadStack) -> str:
+    """``'asyncio_0' (a worker thread of the loop's default executor) waits in
+    queue.Queue.get() at x.py:10``: the other end of the wait, and what it is doing."""
+    end = thread_end(proc, thread)
+    executor = (
+        " (a worker thread of the loop's default executor, which runs the functions given to "
+        "run_in_executor and to_thread)"
+        if thread.name.startswith("asyncio_")
+        else ""
+    )
+    return f"{_thread_words(thread)}{executor} {end.where}"
 
 
 def _users(frame: Frame) -> bool:
@@ -207,7 +220,7 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
     if final:
         text += f" {idle[0].upper()}{idle[1:]}, and the process has no other Python thread."
     elif settled:
-        names = ", ".join(_thread_words(t) for t in others[:3])
+        names = "; ".join(_thread_doing(proc, t) for t in others[:4])
         text += (
             f" {idle[0].upper()}{idle[1:]}: only another thread of the process could end the "
             "wait" + (f" ({names})" if names else "") + "."
