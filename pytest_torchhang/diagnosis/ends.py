@@ -22,8 +22,8 @@ from .graph import SLEEP_CALLS, doing, task_thread, who
 _ENDED_BY: tuple[tuple[str, str], ...] = (
     (
         "Future.result()",
-        "the thread that runs its task (an executor's worker, an event loop's "
-        "thread) or a call of set_result",
+        "the thread that runs its task (an executor's worker, a thread running an event "
+        "loop) or a call of set_result",
     ),
     ("queue.Queue.put()", "a thread that takes an item from the queue (get)"),
     ("queue.Queue.get()", "a thread that puts an item in the queue"),
@@ -202,13 +202,26 @@ def _known(
     ending = ended_by(name)
     if ending:
         known.append(f"{name} ends by {ending}")
-    if loop_thread(proc, thread):
-        known.append(
-            "it waits on the thread of a running asyncio event loop (its own loop's thread): "
-            "while it waits, that loop runs nothing else, none of its tasks and callbacks"
-        )
     task = next((t for t in proc.tasks if t.python_thread == thread.ident), None)
-    lock = task is not None and isinstance(task.wait, Futex)
+    if loop_thread(proc, thread):
+        # a system call on a file or socket is a blocking call made by loop code; a wait on a
+        # primitive of the process is a wait on the thread that should run the loop
+        if task is not None and isinstance(task.wait, Socket):
+            known.append(
+                "it is a blocking call made on the thread of a running asyncio event loop: "
+                "while it blocks, no task or callback of that loop runs"
+            )
+        else:
+            known.append(
+                "it waits in the thread of its own event loop, which runs nothing while it waits"
+            )
+    # a lock's: a futex wait, or a `with` whose __enter__ runs in C (the user's line is the
+    # innermost frame: no Python __enter__ above it), which only a lock's is among blocking ones
+    lock = (task is not None and isinstance(task.wait, Futex)) or bool(
+        thread.frames
+        and not is_library(thread.frames[0])
+        and re.match(r"^\s*with\s", thread.frames[0].line)
+    )
     held = holds_already(thread.frames, "thread", "the lock" if lock else "what")
     if held:
         known.append(held)
@@ -349,7 +362,7 @@ def holds_already(frames: list[Frame], holder: str, what: str = "what") -> str:
             continue
         same = "" if low.name == here.name else f", if {expr} is the same object there"
         said = (
-            f"the same {holder} already holds {what} it waits for{same}: lower in its own stack, "
+            f"the same {holder} holds {what} it waits for{same}: lower in the same stack, "
             f"{low.name} at {os.path.basename(low.filename)}:{low.lineno} runs inside "
             f"`{lines[inside - 1].strip()}` (line {inside})"
         )
@@ -431,16 +444,16 @@ def pool_handlers(proc: ProcessReport, name: str) -> list[str]:
         if name == "Event.wait()":
             return []
         return [
-            "the Pool's result-handler thread (which delivers every result and runs the "
-            "callbacks) is not among its threads while its other handler threads are: it "
-            "ended, and no result is delivered any more"
+            "the Pool's result-handler thread (which delivers every result) is not among its "
+            "threads while its other handler threads are: it ended, and no result is "
+            "delivered any more"
         ]
     user = _user(results)
     if user is not None:
         inner, frame = primitive(results)
         return [
             f"the Pool's result-handler thread '{results.name}', which delivers every result "
-            f"and runs the callbacks, is itself waiting{' in ' + inner if inner else ''} inside a "
+            f"and runs the callbacks, waits{' in ' + inner if inner else ''} inside a "
             f"callback ({user.name}{located(frame)}): while it waits, it delivers no result"
         ]
     return []

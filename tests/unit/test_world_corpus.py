@@ -47,7 +47,27 @@ from _judge import (  # noqa: E402  (bench/ is no package: its helpers are found
 #: The cases whose hint named the cause in its own words when the corpus was recorded
 #: (bench/score_corpus.py, docs/corpus.md's table): a change of the diagnosis keeps them right.
 RIGHT_TODAY = {
+    "test_asyncio_blocking_client_same_loop",
+    "test_asyncio_executor_thread_never_returns",
+    "test_asyncio_future_set_from_thread",
+    "test_asyncio_lock_reentered",
+    "test_asyncio_loop_thread_crashed",
+    "test_asyncio_queue_consumer_task_died",
+    "test_asyncio_threadsafe_from_loop",
+    "test_dist_broadcast_src_mismatch",
+    "test_dist_reduce_dst_mismatch",
+    "test_dist_two_groups_order",
+    "test_dl_log_queue_listener_not_started",
+    "test_executor_max_tasks_per_child",
+    "test_mp_child_nondaemon_thread",
+    "test_pool_callback_waits_on_pool",
+    "test_queue_join_missed_task_done",
+    "test_sigterm_flag_while_blocked",
     "test_subprocess_stdin_and_stdout_full",
+    "test_thread_consumer_died_queue_full",
+    "test_thread_import_during_import",
+    "test_threading_barrier_worker_failed",
+    "test_threadpool_nested_wait",
 }
 FAMILIES = {
     "dataloader",

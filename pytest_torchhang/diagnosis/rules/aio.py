@@ -143,9 +143,9 @@ def _task_known(task: AsyncTask, loop: EventLoop) -> str:
     if task.call == "Queue.join()" and unfinished and task.detail.startswith("0 item"):
         getters = [t.name for t in loop.tasks if t.call == "Queue.get()" and t.obj == task.obj]
         return (
-            f"every item was taken and {unfinished.group(1)} of them never marked "
-            "task_done(): a task that took one ended (returned or raised) before marking it "
-            "done, or skipped the call"
+            f"every item was taken, and {unfinished.group(1)} taken item(s) still wait for "
+            "their task_done() call: a task that took one ended before marking it done, or went on "
+            "without calling it"
             + (f"; waiting for a new item now: {', '.join(map(repr, getters))}" if getters else "")
         )
     return ""
