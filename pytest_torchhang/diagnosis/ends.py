@@ -16,7 +16,7 @@ from ..report.groups import idle_loop, idle_service_thread, is_plugin_thread
 from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack
 from ..report.waits import Futex, Socket, WaitEnd, WaitFacts
 from .frames import in_file, is_library, located, main_thread, primitive
-from .graph import SLEEP_CALLS, doing, task_thread, who
+from .graph import SLEEP_CALLS, doing, ignored, task_thread, who
 
 #: What ends each kind of wait, in the user's terms (by the primitive's label).
 _ENDED_BY: tuple[tuple[str, str], ...] = (
@@ -112,6 +112,13 @@ def thread_end(proc: ProcessReport, thread: ThreadStack) -> WaitEnd:
     return WaitEnd(proc.pid, thread.name, desc, "waits", f"waits in {where}{located(frame)}")
 
 
+def earlier(proc: ProcessReport, thread: ThreadStack) -> bool:
+    """A thread an earlier test left in the pytest process (``graph.ignored``): it cannot know
+    the objects this test made, so it ends none of its waits."""
+    task = next((t for t in proc.tasks if t.python_thread == thread.ident), None)
+    return task is not None and ignored(proc, task)
+
+
 def _user(thread: ThreadStack) -> Frame | None:
     return next((f for f in thread.frames if not is_library(f)), None)
 
@@ -171,7 +178,7 @@ def wait_facts(
         facts.ends += [
             thread_end(proc, t)
             for t in proc.threads
-            if t.ident != thread.ident and not is_plugin_thread(t)
+            if t.ident != thread.ident and not is_plugin_thread(t) and not earlier(proc, t)
         ]
     facts.ends += [
         _process_end(p)
@@ -434,6 +441,7 @@ def pool_handlers(proc: ProcessReport, name: str) -> list[str]:
     running = {
         h: t
         for t in proc.threads
+        if not earlier(proc, t)  # an earlier test's Pool is not this one
         for h in _POOL_HANDLERS
         if any(in_file(f, "multiprocessing/pool.py", h) for f in t.frames)
     }

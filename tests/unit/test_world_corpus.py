@@ -48,7 +48,6 @@ from _judge import (  # noqa: E402  (bench/ is no package: its helpers are found
 #: (bench/score_corpus.py, docs/corpus.md's table): a change of the diagnosis keeps them right.
 RIGHT_TODAY = {
     "test_asyncio_blocking_client_same_loop",
-    "test_asyncio_executor_thread_never_returns",
     "test_asyncio_future_set_from_thread",
     "test_asyncio_lock_reentered",
     "test_asyncio_loop_thread_crashed",
@@ -56,12 +55,12 @@ RIGHT_TODAY = {
     "test_asyncio_threadsafe_from_loop",
     "test_dist_broadcast_src_mismatch",
     "test_dist_reduce_dst_mismatch",
-    "test_dist_two_groups_order",
     "test_dl_log_queue_listener_not_started",
     "test_executor_max_tasks_per_child",
     "test_mp_child_nondaemon_thread",
     "test_pool_callback_waits_on_pool",
     "test_queue_join_missed_task_done",
+    "test_signal_handler_logs_under_lock",
     "test_sigterm_flag_while_blocked",
     "test_subprocess_stdin_and_stdout_full",
     "test_thread_consumer_died_queue_full",
@@ -245,7 +244,7 @@ def test_the_nobody_rule_states_both_ends_as_data(world_replay: Replay) -> None:
         "waits in Barrier.wait()"
     )
     assert ends["loader-c"][0] == "waits"
-    assert ends["Thread-1 (run_server)"][0] == "idle"
+    assert "Thread-1 (run_server)" not in ends  # an earlier test's thread ends none of its waits
     assert any("Barrier.wait() ends when every party arrives" in k for k in facts.known)
 
 

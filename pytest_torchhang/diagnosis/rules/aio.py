@@ -16,7 +16,7 @@ from ...report.model import (
     ThreadStack,
     same_thread,
 )
-from ..ends import holds_already, thread_end
+from ..ends import earlier, holds_already, thread_end
 from ..frames import in_file, is_library, located
 from ..graph import edge_lines, edges_to, waiters_text, who
 
@@ -65,13 +65,20 @@ def _thread_doing(proc: ProcessReport, thread: ThreadStack) -> str:
     """``'asyncio_0' (a worker thread of the loop's default executor) waits in
     queue.Queue.get() at x.py:10``: the other end of the wait, and what it is doing."""
     end = thread_end(proc, thread)
+    if not thread.name.startswith("asyncio_"):
+        return f"{_thread_words(thread)} {end.where}"
     executor = (
         " (a worker thread of the loop's default executor, which runs the functions given to "
         "run_in_executor and to_thread)"
-        if thread.name.startswith("asyncio_")
-        else ""
     )
-    return f"{_thread_words(thread)}{executor} {end.where}"
+    user = next((f for f in thread.frames if _users(f)), None)
+    if user is None:
+        return f"{_thread_words(thread)}{executor} {end.where}"
+    # a worker with a frame of the user's is inside a function it was given: it has not returned
+    return (
+        f"{_thread_words(thread)}{executor} is still running the function {user.name} it was "
+        f"given, blocked: it {end.where}"
+    )
 
 
 def _users(frame: Frame) -> bool:
@@ -196,7 +203,11 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
     thread = _selecting(loop, proc)
     running = [t for t in loop.tasks if t.state == "running"]
     others = [
-        t for t in proc.threads if not same_thread(t.ident, loop.thread) and not _plugin_thread(t)
+        t
+        for t in proc.threads
+        if not same_thread(t.ident, loop.thread)
+        and not _plugin_thread(t)
+        and not earlier(proc, t)  # an earlier test's thread knows nothing of this loop
     ]
     settled = thread is not None and loop.idle() and not running
     final = settled and not others
