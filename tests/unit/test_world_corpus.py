@@ -48,6 +48,7 @@ from _judge import (  # noqa: E402  (bench/ is no package: its helpers are found
 #: (bench/score_corpus.py, docs/corpus.md's table): a change of the diagnosis keeps them right.
 RIGHT_TODAY = {
     "test_asyncio_blocking_client_same_loop",
+    "test_asyncio_executor_thread_never_returns",
     "test_asyncio_future_set_from_thread",
     "test_asyncio_lock_reentered",
     "test_asyncio_loop_thread_crashed",
