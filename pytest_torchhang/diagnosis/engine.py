@@ -8,7 +8,10 @@ from collections.abc import Callable
 
 from ..report import groups
 from ..report.model import Hint, ProcessReport
+from ..report.waits import WaitFacts
+from .ends import render, wait_facts
 from .frames import waits_in_user_code
+from .graph import main_task
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
 from .rules.aio import hint_asyncio
 from .rules.beside import hint_beside_idle_services
@@ -257,11 +260,34 @@ def hints(processes: list[ProcessReport]) -> list[Hint]:
     found += hint_busy(processes, explained - pytest)
     add_signal_enders(found, processes)
     if not found:
-        found.append(
-            Hint(
-                "no known hang pattern matched; the stacks below show where each process waits "
-                "(innermost frame first).",
-                rule="none",
-            )
-        )
+        found.append(_both_ends(processes))
     return found
+
+
+def _both_ends(processes: list[ProcessReport]) -> Hint:
+    """No rule matched: what is known of each stuck process's wait, both ends of it (never a
+    guessed cause)."""
+    stuck = [
+        p
+        for p in processes
+        if p.stuck_at and not is_helper(p) and not p.exit_status and not groups.idle_service(p)
+    ]
+    waits: list[WaitFacts] = []
+    named: set[int] = set()
+    said: list[str] = []
+    for proc in stuck:
+        facts = wait_facts(proc, main_task(proc), processes)
+        if facts is None or proc.pid in named:
+            continue  # already stated as an end of an earlier process's wait
+        waits.append(facts)
+        named.update(e.pid for e in facts.ends)
+        said.append(f"{proc.role} (pid {proc.pid}) {render(facts)}")
+    said_text = " ".join(said)
+    return Hint(
+        "no known hang pattern matched."
+        + (f" What is known: {said_text}" if said_text else "")
+        + " The stacks below show where each process waits (innermost frame first).",
+        rule="none",
+        pids=[f.pid for f in waits],
+        waits=waits,
+    )

@@ -9,7 +9,7 @@ from typing import Any
 from .. import clock
 from . import signals, waits
 from .signals import SignalFacts
-from .waits import WaitObject
+from .waits import WaitFacts, WaitObject
 
 #: Version of the JSON document written per hang; bump on incompatible changes.
 SCHEMA_VERSION = 1
@@ -440,6 +440,7 @@ class Hint:
     based_on: list[str] = field(default_factory=list)
     rule: str = ""  # the rule that found it (the corpus test counts right / wrong per rule)
     pids: list[int] = field(default_factory=list)  # the processes it explains
+    waits: list[WaitFacts] = field(default_factory=list)  # the waits it states, as data
 
 
 @dataclass
@@ -492,6 +493,9 @@ class HangReport:
             del doc["cause"]
         if not doc["culprits"]:
             del doc["culprits"]
+        for hint in doc["hints"]:
+            if not hint["waits"]:  # a hint that states no wait as data (most rules, today)
+                del hint["waits"]
         for proc, report in zip(doc["processes"], self.processes, strict=True):
             if not proc["stderr_tail"]:
                 del proc["stderr_tail"]
@@ -534,10 +538,14 @@ class HangReport:
                 f"reads ({SCHEMA_VERSION}): upgrade pytest-torchhang to read it"
             )
         fields = {k: v for k, v in doc.items() if k not in ("schema", "schema_version")}
-        fields["hints"] = [Hint(**h) for h in doc.get("hints", [])]
+        fields["hints"] = [_hint_from_json(h) for h in doc.get("hints", [])]
         fields["processes"] = [_process_from_json(p) for p in doc.get("processes", [])]
         fields["gone_stderr"] = [StderrTail(**t) for t in doc.get("gone_stderr", [])]
         return cls(**fields)
+
+
+def _hint_from_json(doc: dict[str, Any]) -> Hint:
+    return Hint(**{**doc, "waits": [waits.facts_from_json(w) for w in doc.get("waits", [])]})
 
 
 def _process_from_json(doc: dict[str, Any]) -> ProcessReport:

@@ -9,7 +9,7 @@ and :func:`from_text` reads the English object of reports written before waits w
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 
@@ -266,3 +266,31 @@ def from_text(call: str, text: str, vias: tuple[str, ...] = ()) -> WaitObject | 
     if text.startswith("sleeping"):
         return Sleep()
     return None
+
+
+@dataclass
+class WaitEnd:
+    """One who could end a wait, and what it is doing now or did last (issue 28, item 2)."""
+
+    pid: int
+    thread: str = ""  # a thread's name; "" for the process itself
+    who: str = ""  # ``pytest (pid 7)``, ``thread 'loader-a' of pytest (pid 7)``
+    state: str = ""  # "waits", "idle", "exited", "running", "sleeps", "stopped", "itself"
+    where: str = ""  # ``Barrier.wait() at x.py:18``, ``exited with code 1``
+    last_lines: list[str] = field(default_factory=list)  # an exited one's last stderr lines
+
+
+@dataclass
+class WaitFacts:
+    """A blocked thread's wait as data: the object it waits on and both ends of it."""
+
+    pid: int
+    thread: str  # the waiting thread's name
+    waits_in: str  # ``queue.Queue.put() at x.py:26``, ``recvfrom from 127.0.0.1:80``
+    ends: list[WaitEnd] = field(default_factory=list)  # who could end it
+    known: list[str] = field(default_factory=list)  # facts about the wait, in words
+
+
+def facts_from_json(doc: dict[str, Any]) -> WaitFacts:
+    """A hint's ``waits`` entry, read back from the JSON report."""
+    return WaitFacts(**{**doc, "ends": [WaitEnd(**e) for e in doc.get("ends", [])]})

@@ -417,7 +417,11 @@ def test_another_thread_a_timer_or_a_running_task_keep_the_rule_from_saying_noth
 ) -> None:
     beside = _hint(recorded("test_awaits_an_event_beside_another_thread"))
     assert "nothing in the process will" not in beside
-    assert "only another thread of the process could end the wait ('bystander')" in beside
+    # the other end of the wait, with what it is doing (issue 28, item 2)
+    assert (
+        "only another thread of the process could end the wait ('bystander' waits in Event.wait())"
+        in beside
+    )
     timed = _hint(recorded("test_awaits_an_event_with_a_long_timeout"))
     assert "nothing in the process will" not in timed
     assert timed.endswith("Its event loop may still be woken by 1 timer(s).")

@@ -4,6 +4,7 @@ a Queue) that nothing in the process can set, release or fill any more."""
 from __future__ import annotations
 
 import os
+import re
 
 from ...inject.protocol import PLUGIN_THREAD_NAMES
 from ...report.model import (
@@ -15,6 +16,7 @@ from ...report.model import (
     ThreadStack,
     same_thread,
 )
+from ..ends import earlier, holds_already, thread_end
 from ..frames import in_file, is_library, located
 from ..graph import edge_lines, edges_to, waiters_text, who
 
@@ -57,6 +59,26 @@ def _thread_words(thread: ThreadStack) -> str:
     start = thread.frames[-1] if thread.frames else None
     where = f" started in {os.path.basename(start.filename)} {start.name}" if start else ""
     return f"thread {thread.ident}{where}"
+
+
+def _thread_doing(proc: ProcessReport, thread: ThreadStack) -> str:
+    """``'asyncio_0' (a worker thread of the loop's default executor) waits in
+    queue.Queue.get() at x.py:10``: the other end of the wait, and what it is doing."""
+    end = thread_end(proc, thread)
+    if not thread.name.startswith("asyncio_"):
+        return f"{_thread_words(thread)} {end.where}"
+    executor = (
+        " (a worker thread of the loop's default executor, which runs the functions given to "
+        "run_in_executor and to_thread)"
+    )
+    user = next((f for f in thread.frames if _users(f)), None)
+    if user is None:
+        return f"{_thread_words(thread)}{executor} {end.where}"
+    # a worker with a frame of the user's is inside a function it was given: it has not returned
+    return (
+        f"{_thread_words(thread)}{executor} is still running the function {user.name} it was "
+        f"given, blocked: it {end.where}"
+    )
 
 
 def _users(frame: Frame) -> bool:
@@ -114,6 +136,42 @@ def _state(task: AsyncTask) -> str:
     return _STATE.get(task.detail, task.detail)
 
 
+_UNFINISHED = re.compile(r"\b(\d+) not task_done\(\)")
+
+
+def _task_known(task: AsyncTask, loop: EventLoop) -> str:
+    """What the task's own evidence says of its wait (issue 28, item 2): it holds the lock it
+    awaits; a ``Queue.join()`` on an empty queue with items never marked done."""
+    if task.awaits == "Lock":
+        held = holds_already(task.frames, "task", "the lock")
+        if held:
+            return held
+    unfinished = _UNFINISHED.search(task.detail)
+    if task.call == "Queue.join()" and unfinished and task.detail.startswith("0 item"):
+        getters = [t.name for t in loop.tasks if t.call == "Queue.get()" and t.obj == task.obj]
+        return (
+            f"every item was taken, and {unfinished.group(1)} taken item(s) still wait for "
+            "their task_done() call: a task that took one ended before marking it done, or went on "
+            "without calling it"
+            + (f"; waiting for a new item now: {', '.join(map(repr, getters))}" if getters else "")
+        )
+    return ""
+
+
+#: The system calls an asyncio selector sleeps in.
+_SELECT_CALLS = ("epoll_wait", "epoll_pwait", "select", "pselect6", "poll", "ppoll")
+
+
+def _asleep_with_ready(proc: ProcessReport, loop: EventLoop, thread: ThreadStack | None) -> bool:
+    """The loop has ready callbacks while its thread sleeps in select without a timeout (the
+    kernel's evidence): the loop selects with a zero timeout when something is ready, so the
+    callback came after it fell asleep, from another thread, with no wake-up."""
+    if thread is None or loop.ready <= 0:
+        return False
+    task = next((t for t in proc.tasks if same_thread(t.python_thread, thread.ident)), None)
+    return task is not None and task.call in _SELECT_CALLS and not task.timed
+
+
 def _evidence(task: AsyncTask) -> str:
     return f"{task.label()} awaits {task.awaited()}" + (f" [{task.detail}]" if task.detail else "")
 
@@ -145,7 +203,11 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
     thread = _selecting(loop, proc)
     running = [t for t in loop.tasks if t.state == "running"]
     others = [
-        t for t in proc.threads if not same_thread(t.ident, loop.thread) and not _plugin_thread(t)
+        t
+        for t in proc.threads
+        if not same_thread(t.ident, loop.thread)
+        and not _plugin_thread(t)
+        and not earlier(proc, t)  # an earlier test's thread knows nothing of this loop
     ]
     settled = thread is not None and loop.idle() and not running
     final = settled and not others
@@ -154,6 +216,8 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
         sentence = _subject(task)
         state = _state(task) + _referrers(task, loop)
         sentence += f" ({state})" if state else ""
+        known = _task_known(task, loop)
+        sentence += f"; {known}" if known else ""
         if final:
             sentence += f"; nothing in the process will {_ends(task)}"
         sentences.append(sentence)
@@ -167,7 +231,7 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
     if final:
         text += f" {idle[0].upper()}{idle[1:]}, and the process has no other Python thread."
     elif settled:
-        names = ", ".join(_thread_words(t) for t in others[:3])
+        names = "; ".join(_thread_doing(proc, t) for t in others[:4])
         text += (
             f" {idle[0].upper()}{idle[1:]}: only another thread of the process could end the "
             "wait" + (f" ({names})" if names else "") + "."
@@ -176,6 +240,14 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
         text += (
             f" Its event loop is running {running[0].label()}, and runs no other task until that "
             "one awaits or returns: the loop's thread's stack shows where it is."
+        )
+    elif _asleep_with_ready(proc, loop, thread):
+        text += (
+            f" Its event loop has {loop.ready} ready callback(s), yet its thread sleeps in "
+            "select with no timeout: the loop only waits there when nothing is ready, so the "
+            "callback was added while it slept, by another thread, without waking it (a Future "
+            "set, or a callback scheduled, from another thread with no call_soon_threadsafe); "
+            "only an event on its file descriptors or timers wakes it now."
         )
     elif not loop.idle():
         text += f" Its event loop may still be woken by {loop.wakers()}."

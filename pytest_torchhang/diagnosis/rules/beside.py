@@ -8,6 +8,7 @@ from __future__ import annotations
 from ...report.groups import idle_service_thread
 from ...report.model import Hint, ProcessReport, TaskWait
 from ...report.waits import LISTENING, THREAD, Futex, Socket
+from ..ends import render, wait_facts
 from ..frames import primitive
 from ..graph import ignored, main_task, task_thread, wait_kind, who
 from ..roles import is_helper
@@ -55,16 +56,19 @@ def hint_beside_idle_services(procs: list[ProcessReport]) -> list[Hint]:
             if any(_listens(t) or "serve_forever" in _service_words(proc, t) for t in others)
             else ""
         )
+        facts = wait_facts(proc, task, procs)
+        known = f" {render(facts, head=False)}" if facts is not None and facts.known else ""
         hints.append(
             Hint(
                 f"{who(proc)} waits in {waits_in_words(proc, task, name, frame)}, and no thread "
                 f"or process of the test is left to end that wait: its other thread(s) are idle "
                 f"services that only wait for work ({services}){clients}; no other thread of it "
-                f"is left to {tail}.",
+                f"is left to {tail}.{known}",
                 [f"{who(proc)} blocked in {task.summary()}"]
                 + [f"{who(proc)} thread {t.tid} waits for work: {t.summary()}" for t in others],
                 rule="nobody",
                 pids=[proc.pid],
+                waits=[facts] if facts is not None else [],
             )
         )
     return hints

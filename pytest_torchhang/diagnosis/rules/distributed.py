@@ -95,6 +95,8 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
         )
     elif _p2p_pair(waiting):
         text = _unmatched_p2p(ranks, waiting)
+    elif _same_call(ranks):
+        text = _same_call(ranks) + detail
     elif len(set(waiting.values())) > 1:
         pairs = ", ".join(f"rank {r} in {_collective_words(c)}" for r, c in sorted(waiting.items()))
         skipped = _skipped(ranks)
@@ -254,6 +256,62 @@ def _header_before(lines: list[str], elif_line: int) -> int:
         if line.strip() and _indent(line) == indent and re.match(r"\s*(if|elif)\b", line):
             return k
     return 1
+
+
+#: Collectives with a root: the rank that sends (src) or receives (dst) the result.
+_ROOTED = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src"}
+
+
+def _differ_in(name: str) -> str:
+    root = _ROOTED.get(name)
+    unrecorded = f"the root ({root}), the group" if root else "the group"
+    return (
+        f"the flight recorder records the name, the number and the sizes, not {unrecorded}: "
+        "compare those arguments rank by rank"
+    )
+
+
+def _same_call(ranks: list[ProcessReport]) -> str:
+    """The ranks are in the same collective (the same number and name in each flight recorder)
+    and it completed on some ranks only, or on none while every rank waits in it: their calls
+    agree on what the flight recorder shows and differ in an argument it does not record. ""
+    when the evidence does not show that (issue 28: same call, different arguments, is not a
+    skipped collective)."""
+    pending = {p.pid: pending_collective(p) for p in ranks}
+    if len(ranks) < 2 or any(c is None for c in pending.values()):
+        return ""
+    for waiter in ranks:
+        mine = pending[waiter.pid]
+        assert mine is not None
+        done = [
+            o
+            for o in ranks
+            if o is not waiter
+            and any(
+                c.completed and (c.seq, c.name, c.group) == (mine.seq, mine.name, mine.group)
+                for c in o.collectives
+            )
+        ]
+        if done:
+            ahead = pending[done[0].pid]
+            assert ahead is not None
+            return (
+                f"rank {rank_no(waiter)} is still in {mine.label()}, the same collective that "
+                f"rank {', '.join(rank_no(o) for o in done)} completed and left (it is now in "
+                f"{ahead.label()}): the ranks called the same collective with different "
+                f"arguments, and it completed on one side only; {_differ_in(mine.name)}."
+            )
+    keys = {(c.seq, c.name, tuple(map(tuple, c.sizes))) for c in pending.values() if c}
+    if len(keys) == 1 and len(ranks) == (world_size(ranks[0]) or len(ranks)):
+        ((seq, name, _),) = keys
+        if name in _SENDS | _RECVS:
+            return ""
+        return (
+            f"every rank waits in the same collective, #{seq} {name}, with the same sizes, and it "
+            f"completed on none: the ranks agree on what the flight recorder shows, so their "
+            f"calls differ in an argument it does not record; {_differ_in(name)}."
+        )
+    return ""
 
 
 def _skipped(ranks: list[ProcessReport]) -> str:

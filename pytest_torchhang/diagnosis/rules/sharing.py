@@ -21,6 +21,7 @@ from ...report.waits import (
     Semaphore,
     Socket,
 )
+from ..ends import pool_handlers, wait_facts
 from ..frames import (
     enclosing_class,
     has_frame,
@@ -170,14 +171,27 @@ def hint_pool_lost(procs: list[ProcessReport]) -> list[Hint]:
             )
             based += [f"pid {d.pid}: {d.exit_status}" for d in dead]
         else:
+            # what the Pool's result-handler thread does is evidence; a lost task is a guess
+            handler = pool_handlers(parent, name)
             text = (
                 f"{who(parent)} waits in {name or 'a Pool call'}{located(frame)} while all "
                 f"{len(workers)} Pool workers are idle, waiting for a task: nothing is computing "
-                "the results it waits for (a task lost with a worker that died, or results "
-                "awaited from a different Pool)."
+                + (
+                    f"the results it waits for; {handler[0]}."
+                    if handler
+                    else "the results it waits for (a task lost with a worker that died, or "
+                    "results awaited from a different Pool)."
+                )
             )
+        facts = wait_facts(parent, main_task(parent), procs)
         hints.append(
-            Hint(text, based, rule="pool_lost", pids=[parent.pid, *(w.pid for w in workers)])
+            Hint(
+                text,
+                based,
+                rule="pool_lost",
+                pids=[parent.pid, *(w.pid for w in workers)],
+                waits=[facts] if facts is not None else [],
+            )
         )
     return hints
 

@@ -9,6 +9,7 @@ import re
 from ...report.groups import idle_service
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ...report.waits import HOLDS_WRITE_END, LISTENING, NOBODY, OUTSIDE, SOCKET_PEER, Futex, Socket
+from ..ends import loop_thread, pool_thread, render, wait_facts
 from ..frames import (
     collective_of,
     fork_parent,
@@ -110,9 +111,16 @@ def hint_dead(procs: list[ProcessReport]) -> list[Hint]:
     return hints
 
 
-def _why_alone(proc: ProcessReport, task: TaskWait | None, name: str, forked: bool) -> str:
+def _why_alone(
+    proc: ProcessReport,
+    task: TaskWait | None,
+    name: str,
+    parent: ProcessReport | None,
+    worker: bool,
+) -> str:
     edges = task.waits_for if task else []
     private = task is not None and isinstance(task.wait, Futex) and task.wait.private
+    forked = parent is not None or worker
     if private and any(e.kind == NOBODY for e in edges):
         reason = "it is the only thread of its process"
         if forked and name != "Future.result()":
@@ -125,9 +133,12 @@ def _why_alone(proc: ProcessReport, task: TaskWait | None, name: str, forked: bo
         reason = "the only write end of the pipe it reads is its own"
     else:
         reason = "every other thread of its process waits too"
-    if name == "Future.result()":
+    if name == "Future.result()" and _forked_from_a_pool(proc, parent):
+        # only with evidence of a fork: a child forked from a process whose pool threads
+        # could complete the Future (issue 28: no fork, no fork story)
         reason += (
-            "; a Future is completed by a pool thread, and the pool's threads were not copied "
+            "; a Future is completed by a pool thread, and it was forked from "
+            f"{who(parent) if parent else 'its parent'}, whose pool threads were not copied "
             "by fork, so no thread is left to run the task"
         )
     elif name.startswith(("Event.", "Condition.", "Barrier.")):
@@ -135,6 +146,16 @@ def _why_alone(proc: ProcessReport, task: TaskWait | None, name: str, forked: bo
     elif "acquire" in name:
         reason += "; no other thread of it is left to release the lock"
     return reason
+
+
+def _forked_from_a_pool(proc: ProcessReport, parent: ProcessReport | None) -> bool:
+    """``proc`` is a fork child (same program, no exec) of a process that has pool threads of
+    its own: the evidence the fork clause of a lost Future needs."""
+    return (
+        parent is not None
+        and any(pool_thread(t) for t in parent.threads)
+        and not any(pool_thread(t) for t in proc.threads)
+    )
 
 
 def waits_in_words(
@@ -167,19 +188,24 @@ def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]
             continue
         alone = [p for p in listed if knot[p.pid] <= {p.pid}]
         based = [blocked_line(proc) for proc in listed]
+        waits = []
         if alone:
             parts = []
             for proc in alone:
                 task = main_task(proc)
                 name, frame = primitive(task_thread(proc, task) if task else main_thread(proc))
-                forked = fork_parent(proc, by_pid) is not None or is_worker(proc)
+                parent = fork_parent(proc, by_pid)
+                facts = wait_facts(proc, task, procs)
+                if facts is not None:
+                    waits.append(facts)
+                stated = f". {render(facts, head=False)}" if facts is not None else ""
                 parts.append(
                     f"{who(proc)} waits in {waits_in_words(proc, task, name, frame)}, and no thread "
                     f"or process of the test is left to end that wait: "
-                    f"{_why_alone(proc, task, name, forked)}"
+                    f"{_why_alone(proc, task, name, parent, is_worker(proc))}{stated}"
                 )
             others = [p for p in listed if p not in alone]
-            text = ". ".join(parts) + "."
+            text = " ".join(part if part.endswith(".") else part + "." for part in parts)
             if others:
                 text += (
                     " Waiting for it: " + "; ".join(f"{who(p)} {doing(p)}" for p in others) + "."
@@ -197,7 +223,7 @@ def hint_deadlock(procs: list[ProcessReport], explained: set[int]) -> list[Hint]
                 "message) is only produced after a wait of its own."
             )
             rule = "deadlock"
-        hints.append(Hint(text, based, rule=rule, pids=[p.pid for p in listed]))
+        hints.append(Hint(text, based, rule=rule, pids=[p.pid for p in listed], waits=waits))
     return hints
 
 
@@ -267,6 +293,7 @@ def _short_sleep(proc: ProcessReport) -> bool:
 def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
     """A read on a socket whose peer is no process of this test: a server, a service."""
     hits, based, pids = [], [], []
+    local: list[ProcessReport] = []
     for proc in procs:
         task = main_task(proc)
         if task is None or task.call not in READS or (is_rank(proc) or is_helper(proc)):
@@ -278,15 +305,22 @@ def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
             or any(e.pid > 0 for e in task.waits_for)
         ):
             continue
+        if loop_thread(proc, task_thread(proc, task)):
+            continue  # it blocks its own event loop, which may be the server: the ends say
+        if _listens_in_tree(task.wait.remote, procs):
+            local.append(proc)
+            continue
         name, frame = primitive(task_thread(proc, task))
         peer = f" from {task.wait.remote}" if task.wait.remote else ""
         untimed = "" if task.timed else ", with no timeout"
         hits.append(f"{who(proc)} in {name or task.call}{located(frame)}{peer}{untimed}")
         based.append(f"{who(proc)} blocked in {task.summary()}: {outside[0].via}")
         pids.append(proc.pid)
+    found = [_on_this_machine(proc, procs) for proc in local]
     if not hits:
-        return []
+        return found
     return [
+        *found,
         Hint(
             f"{len(hits)} process(es) wait for data on a socket whose other end is no process of "
             f"this test (a server, a service, or a process started before the test): "
@@ -294,8 +328,38 @@ def hint_outside(procs: list[ProcessReport]) -> list[Hint]:
             based,
             rule="outside",
             pids=pids,
-        )
+        ),
     ]
+
+
+def _listens_in_tree(address: str, procs: list[ProcessReport]) -> bool:
+    """A thread of the tree (the waiting process's own threads included) listens on the port
+    the socket is connected to, on this machine: its server is the test's own."""
+    host, _, port = address.rpartition(":")
+    if not port or not host.strip("[]").startswith(("127.", "::1", "0.0.0.0", "::")):
+        return False
+    return any(
+        isinstance(t.wait, Socket) and t.wait.listening and t.wait.local.rpartition(":")[2] == port
+        for p in procs
+        for t in p.tasks
+    )
+
+
+def _on_this_machine(proc: ProcessReport, procs: list[ProcessReport]) -> Hint:
+    """A read from a peer whose server listens in the tree itself (a thread of the test's own)
+    but holds no accepted end of the connection: both ends said, no cause guessed."""
+    task = main_task(proc)
+    facts = wait_facts(proc, task, procs)
+    remote = task.wait.remote if task is not None and isinstance(task.wait, Socket) else ""
+    return Hint(
+        f"{who(proc)} {render(facts) if facts else 'waits on a socket.'} Its peer {remote} is a "
+        "server of the test's own (a socket of the tree listens on that port), and no thread "
+        "has accepted the connection yet.",
+        [f"{who(proc)} blocked in {task.summary() if task else '?'}"],
+        rule="outside",
+        pids=[proc.pid],
+        waits=[facts] if facts else [],
+    )
 
 
 def hint_busy(procs: list[ProcessReport], explained: set[int] | None = None) -> list[Hint]:
