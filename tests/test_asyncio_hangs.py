@@ -106,7 +106,7 @@ def test_another_thread_of_the_process_keeps_the_hint_from_saying_nothing_will_s
         "hint: pytest (pid *): test_awaits_an_event_beside_another_thread awaits Event.wait() in "
         f"task 'Task-*' at test_*.py:{line} (the event is not set). Its event loop has nothing "
         "that could wake it*: only another thread of the process could end the wait "
-        "('bystander').",
+        "('bystander' waits in *).",
     )
     assert "nothing in the process will" not in report
 
@@ -262,7 +262,8 @@ def test_under_xdist_the_workers_tasks_reach_the_controllers_report(guarded: Gua
         session,
         "test_awaits_an_event_nobody_sets",
         "hint: pytest (xdist worker gw0) (pid *): test_awaits_an_event_nobody_sets awaits "
-        "Event.wait() in task 'Task-*' at test_*.py:*: only another thread of the process could "
-        "end the wait (thread 0x* started in *)*",
+        "Event.wait() in task 'Task-*' at test_*.py:* (the event is not set); nothing in the "
+        "process will set it. Its event loop has nothing that could wake it*, and the process's "
+        "other Python threads were running before this test began (thread 0x* started in *)*",
         "      task 'Task-*' (test_awaits_an_event_nobody_sets) awaits Event.wait() [[]not set[]]*",
     )

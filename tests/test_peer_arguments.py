@@ -74,13 +74,13 @@ def test_ranks_in_one_collective_are_compared_argument_by_argument(
     assert_hang(
         session,
         "test_reduce_to_each_ranks_own_logger",
-        "hint: all 2 ranks wait in reduce, the same collective with different arguments:*"
+        "hint: every rank waits in the same collective, #1 reduce, *"
         " The arguments differ: reduce(dst=0) on rank 0/2 vs reduce(dst=1) on rank 1/2.",
     )
     assert_hang(
         session,
         "test_barrier_on_a_subgroup_and_the_default_group",
-        "hint: all 2 ranks wait in barrier, the same collective with different arguments:*"
+        "hint: every rank waits in the same collective, #1 barrier, *"
         " The arguments differ: barrier(group=ProcessGroup(ranks=[[]0, 1[]], name=*)) on rank"
         " 0/2 vs barrier(group=ProcessGroup(default, ranks=[[]0, 1[]], name=*)) on rank 1/2.",
     )

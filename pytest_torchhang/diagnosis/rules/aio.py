@@ -229,7 +229,19 @@ def _loop_hint(proc: ProcessReport, loop: EventLoop) -> Hint | None:
         "descriptor or signal handler)"
     )
     if final:
-        text += f" {idle[0].upper()}{idle[1:]}, and the process has no other Python thread."
+        before = [
+            t
+            for t in proc.threads
+            if not same_thread(t.ident, loop.thread) and not _plugin_thread(t) and earlier(proc, t)
+        ]
+        if before:  # an xdist worker's channel thread, a thread an earlier test left running
+            names = "; ".join(_thread_doing(proc, t) for t in before[:4])
+            text += (
+                f" {idle[0].upper()}{idle[1:]}, and the process's other Python threads were "
+                f"running before this test began ({names})."
+            )
+        else:
+            text += f" {idle[0].upper()}{idle[1:]}, and the process has no other Python thread."
     elif settled:
         names = "; ".join(_thread_doing(proc, t) for t in others[:4])
         text += (
