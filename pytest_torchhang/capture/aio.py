@@ -122,7 +122,7 @@ def add_tasks(
     deadline = clock.monotonic() + budget_s
     while waiting:
         for pid, report in list(waiting.items()):
-            doc = _read(tasks_path(dump_dir, pid), since) if dump_dir else None
+            doc = read_answer(tasks_path(dump_dir, pid), since) if dump_dir else None
             if doc is not None:
                 report.event_loops = loops_of(doc.get("loops", []))
                 if doc.get("error"):
@@ -140,14 +140,15 @@ def add_tasks(
     return notes
 
 
-def _read(path: str, since: float) -> dict[str, Any] | None:
-    """The document at ``path`` when it was written since ``since`` (wall time, by the file's
-    mtime: the child's own clock may be a test's frozen one); None otherwise."""
+def read_answer(path: str, since: float, limit: int = 4 << 20) -> dict[str, Any] | None:
+    """A child's JSON answer at ``path`` (at most ``limit`` bytes) when it was written since
+    ``since`` (wall time, by the file's mtime: the child's own clock may be a test's frozen
+    one); None otherwise. Shared by every capture step that reads a child's answer file."""
     try:
         with open(path, "rb") as answer:
             if os.fstat(answer.fileno()).st_mtime < since - 0.01:
                 return None  # an earlier capture's answer
-            doc = json.loads(answer.read(4 << 20))
+            doc = json.loads(answer.read(limit))
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None

@@ -9,7 +9,6 @@ signal, as it writes its asyncio tasks.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -18,7 +17,7 @@ from ..inject.hook import signal_snapshot
 from ..inject.protocol import signals_path
 from ..report.model import ProcessReport
 from ..report.signals import TOLD, SignalFacts, names
-from . import procfs
+from . import aio, procfs
 
 #: How long the capture waits, at most, for the answers of children that catch a signal.
 SIGNALS_WAIT_S = 0.3
@@ -83,23 +82,10 @@ def add_signals(
     deadline = clock.monotonic() + budget_s
     while waiting and dump_dir is not None:
         for pid, report in list(waiting.items()):
-            doc = _read(signals_path(dump_dir, pid), since)
+            doc = aio.read_answer(signals_path(dump_dir, pid), since, 1 << 16)
             if doc is not None and report.signals is not None:
                 _apply(report.signals, doc)
                 del waiting[pid]
         if not any(_asks(r) for r in waiting.values()) or clock.monotonic() >= deadline:
             break
         clock.sleep(0.01)
-
-
-def _read(path: str, since: float) -> dict[str, Any] | None:
-    """The answer at ``path`` when written since ``since`` (by its mtime: the child's clock may
-    be a test's frozen one); None otherwise."""
-    try:
-        with open(path, "rb") as answer:
-            if os.fstat(answer.fileno()).st_mtime < since - 0.01:
-                return None  # an earlier capture's answer
-            doc = json.loads(answer.read(1 << 16))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
