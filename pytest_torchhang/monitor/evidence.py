@@ -147,6 +147,23 @@ def the_call(report: HangReport, pid: int, tid: int) -> str:
     return ", ".join(parts)
 
 
+def own_thread_note(report: HangReport, pid: int, tid: int) -> str | None:
+    """The stack of pytest-torchhang's own watchdog thread (``tid`` of ``pid``), which reports
+    leave out, as a note: when the watchdog did not act, where it is is the evidence."""
+    for proc in report.processes:
+        if proc.pid != pid:
+            continue
+        for thread in proc.threads:
+            named = "watchdog" in (proc.thread_roles.get(thread.ident) or thread.name)
+            if (thread.tid == tid) if (thread.tid and tid) else named:
+                lines = [
+                    f'  File "{f.filename}", line {f.lineno}, in {f.name}' for f in thread.frames
+                ]
+                where = "\n".join(lines) or "  <no Python frame>"
+                return f"pytest-torchhang's watchdog thread (most recent call first):\n{where}"
+    return None
+
+
 def sentence(evidence: Evidence, thread: str, call: str, ending: str) -> str:
     """The monitor's first hint: why the session ends, saying only what ``evidence`` shows."""
     where = f" ({call})" if call else ""

@@ -86,6 +86,10 @@ def _take_over(
         0,
         Hint(evidence.sentence(seen, thread, call, ending), [f"pytest (pid {pytest_pid})"]),
     )
+    if seen.why is not evidence.Why.UNINTERRUPTIBLE:  # the watchdog itself did not act
+        note = evidence.own_thread_note(report, pytest_pid, seen.watchdog_tid)
+        if note is not None:
+            report.notes.append(note)
     banner = "!" * 30 + " pytest-torchhang: session stopped " + "!" * 30
     text = to_text(report).rsplit("\ncleanup:", 1)[0]  # printed before the kill: no cleanup yet
     victims = "the test's processes" if spare_root else "the whole tree, pytest included"
