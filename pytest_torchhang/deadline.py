@@ -11,7 +11,9 @@ Sources of a deadline, all in one place, so that whichever is due first fires wh
 - the stall time: no progress for ``stall_s`` (progress is an event the shell feeds);
 - a fixture call's own timeout: the call acts on it itself (it captures and kills its children),
   so the model only keeps the test's own fire from overlapping that capture;
-- the teardown grace: once the test has its ``HangError``, the rest of it gets ``grace_s``;
+- the teardown grace: once the test has its ``HangError``, the rest of it gets ``grace_s`` of
+  its own code's time (setup, call, teardown); pytest's own code between phases (its reports,
+  other plugins' hooks) does not count, up to ``OWN_CODE_S``;
 - pauses (a debugger, the zygote importing torch): every clock stops meanwhile; and stops by
   job control (Ctrl-Z), which the shell learns of afterwards: every clock moves on by the stop.
 
@@ -42,6 +44,10 @@ REKILL_EVERY = 5
 MAX_KILLS = 3
 #: The test's own fire waits at most this long for a fixture call's capture in progress.
 CALL_CAPTURE_BOUND_S = 30.0
+#: After a delivered hang, pytest's own code between two phases of the test (the failure's
+#: report, other plugins' hooks) may take this long on top of the grace: on a loaded machine
+#: reporting a hang takes seconds, which are not the teardown's to lose.
+OWN_CODE_S = 30.0
 
 INF = math.inf
 
@@ -228,6 +234,9 @@ class State(NamedTuple):
     paused_at: float = INF
     calls: tuple[tuple[int, Call], ...] = ()
     grace_due: float = INF
+    #: what is left of the grace while pytest's own code runs (INF: the test's code runs, or
+    #: no grace): ``grace_due`` is then that plus ``OWN_CODE_S``, the bound on pytest's code
+    grace_left: float = INF
     fire_kind: Kind | None = None  # of the fire in progress or last made
     fire_source: Source | None = None
     fires: int = 0
@@ -374,9 +383,9 @@ def _apply(state: State, event: Event, now: float) -> State:
             history=_note(state, now, f"stopped {event.seconds:.1f}s")
         )
     if isinstance(event, PhaseStarted):
-        return state._replace(running=True)
+        return _running(state, True, now)
     if isinstance(event, PhaseEnded):
-        return state._replace(running=False)
+        return _running(state, False, now)
     if isinstance(event, CallStarted):
         calls = (*state.calls, (event.call, Call(_clock(state, now) + event.seconds)))
         return state._replace(calls=calls)
@@ -431,19 +440,38 @@ def _moved(state: State, stood: float, now: float) -> State:
 
 
 def _delivered(state: State, now: float, why: str) -> State:
-    return state._replace(
+    delivered = state._replace(
         phase=Phase.DELIVERED,
         grace_due=_clock(state, now) + state.grace_s,
+        grace_left=INF,
         history=_note(state, now, why),
     )
+    return delivered if state.running else _grace_held(delivered, now)
 
 
-def with_running(state: State, running: bool) -> State:
-    """``state`` with the test's own code running or not, as the shell recorded it without an
-    event while nothing had fired (``PhaseStarted`` and ``PhaseEnded`` do the same, and tick):
-    only an interrupt depends on it, and only once a fire has begun, when the shell feeds the
-    phase events themselves. No clock moves and no wake changes."""
+def _grace_held(state: State, now: float) -> State:
+    """The grace stands still while pytest's own code runs, for at most ``OWN_CODE_S``."""
+    left = max(state.grace_due - _clock(state, now), 0.0)
+    return state._replace(grace_left=left, grace_due=_clock(state, now) + left + OWN_CODE_S)
+
+
+def _running(state: State, running: bool, now: float) -> State:
+    """The test's own code starts or stops running: after a delivered hang, only its own code's
+    time counts against the grace (see ``OWN_CODE_S``)."""
+    if state.phase is Phase.DELIVERED and running != state.running:
+        if running and state.grace_left < INF:
+            state = state._replace(grace_due=_clock(state, now) + state.grace_left, grace_left=INF)
+        elif not running and state.grace_left == INF:
+            state = _grace_held(state, now)
     return state._replace(running=running)
+
+
+def with_running(state: State, running: bool, now: float) -> State:
+    """``state`` with the test's own code running or not, as the shell recorded it without an
+    event (``PhaseStarted`` and ``PhaseEnded`` do the same, and tick). While armed only an
+    interrupt depends on it, once a fire has begun: no clock moves and no wake changes; after a
+    delivered hang the grace counts only the test's own code."""
+    return _running(state, running, now)
 
 
 def monitor_due(state: State, wake: float) -> float | None:

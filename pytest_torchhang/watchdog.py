@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 SAMPLE_EVERY_S = 5.0
 MAX_SAMPLES = 120
 #: The cold path (capture, diagnosis, rendering) loads this long before a test's first deadline,
-#: on this thread, so that its import (tens of ms) does not delay the capture, nor the hang's
-#: time in its headline; a session whose tests end in time never loads it.
-PRELOAD_S = 0.5
+#: on this thread, so that its import does not delay the capture, nor the hang's time in its
+#: headline; a session whose tests end in time never loads it. The import takes about 0.3 s
+#: on an idle machine and was seen to take 3.5 s on a loaded one (then the fire came that late).
+PRELOAD_S = 5.0
 _COLD_PATH = __name__.rsplit(".", 1)[0] + ".hang.path"
 #: The watchdog thread wakes at least this often, whatever is due (every wait is bounded).
 MAX_WAIT_S = 60.0
@@ -148,7 +149,7 @@ class TestDeadline:
     def _sync_running(self) -> None:
         """With the lock held: the model learns where the test's thread is (see ``running``)."""
         if self.running is not self.state.running:
-            self.state = deadline.with_running(self.state, self.running)
+            self.state = deadline.with_running(self.state, self.running, clock.monotonic())
 
     def _feed(self, event: Event, now: float | None, by_watchdog: bool) -> Decision:
         """``feed`` with the lock held."""
@@ -389,10 +390,16 @@ class Watchdog:
                 self._wake_if_due(held)
 
     def _wake_if_due(self, held: TestDeadline) -> None:
-        # Wake the thread only when it would otherwise sleep past what is due: tests shorter
-        # than their timeout then cost no thread switch at all.
-        if held.pending or held.wake < self._wake_at:
+        # Wake the thread only when it would otherwise sleep past what is due (the cold path's
+        # load included): tests shorter than their timeout then cost no thread switch at all.
+        if held.pending or min(held.wake, self._preload_at(held)) < self._wake_at:
             self._cond.notify()
+
+    def _preload_at(self, held: TestDeadline) -> float:
+        """When to load the cold path for ``held`` (inf: loaded already)."""
+        if self._preloaded or _COLD_PATH in sys.modules:
+            return deadline.INF
+        return held.deadline - PRELOAD_S
 
     def disarm(self, held: TestDeadline) -> None:
         """The test is over. The page of one that never fired is left as it is: this thread
@@ -451,18 +458,24 @@ class Watchdog:
                     continue
                 decision = current.feed(deadline.Tick(), by_watchdog=True)
                 if decision.action is not None:
+                    self._busy()
                     return current, decision
                 self._tell_monitor(current)  # e.g. a grace after the test took its HangError
                 wake = decision.wake
                 if current.state.stall_s and current.state.phase is Phase.ARMED:
                     wake = min(wake, clock.monotonic() + SAMPLE_EVERY_S)  # the stall history
-                if not self._preloaded and _COLD_PATH not in sys.modules:
-                    preload_at = current.deadline - PRELOAD_S
-                    if preload_at <= clock.monotonic():
-                        return current, None
-                    wake = min(wake, preload_at)
-                self._sleep(wake)
+                preload_at = self._preload_at(current)
+                if preload_at <= clock.monotonic():
+                    self._busy()
+                    return current, None
+                self._sleep(min(wake, preload_at))
             return None
+
+    def _busy(self) -> None:
+        """Tell the monitor this thread goes on to act (until its next beat): on a loaded
+        machine its cold path's import and a fire's first steps take seconds, which the monitor
+        then allows (``monitor.process.BUSY_GRACE_S``) instead of ending the session."""
+        self._monitor.board.beat(clock.monotonic(), self._native_id, busy=True)
 
     def _sleep(self, wake: float) -> None:
         """Under ``self._cond``: wait until ``wake`` or a knock, and at most ``MAX_WAIT_S``

@@ -41,6 +41,33 @@ def test_a_hang_is_reported_once_and_the_teardown_runs_to_its_end(guarded: Guard
     session.assert_clean()
 
 
+SLOW_REPORTING = """
+import time
+
+import pytest
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.failed:
+        time.sleep(4)  # a plugin that uploads each failure: pytest's own code, not the test's
+"""
+
+
+def test_pytests_own_slow_reporting_after_a_hang_is_not_a_second_hang(
+    guarded: GuardedRunner,
+) -> None:
+    # Seen on a loaded machine: reporting the hang took longer than the grace (the timeout), and
+    # the grace fired again in pytest's report hook: two hangs for one. The grace counts the
+    # test's own code (its teardown), not pytest's between the phases.
+    guarded.pytester.makeconftest(SLOW_REPORTING)
+    guarded.pytester.makepyfile(test_flush=FLUSHING_TEARDOWN)
+    session = guarded.run("-p", "no:randomly", timeout=2)
+    assert_outcomes(session.result, passed=1, hang=1)
+    out = session.result.stdout.str()
+    assert "HANG at teardown" not in out, out
+    session.assert_clean()
+
+
 HANGING_TEARDOWN = """
 import time
 

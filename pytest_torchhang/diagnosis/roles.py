@@ -47,7 +47,9 @@ _THREAD_ROLES: list[tuple[str, tuple[str, ...], str]] = [
         ("serve_client", "handle_request", "accepter"),
         "Manager server thread",
     ),
-    ("pytest_torchhang/watchdog.py", (), "torch-hang watchdog"),
+    # its thread runs ``Watchdog._run``; the test's own thread may be in watchdog.py too (waiting
+    # for a capture from pytest's report hook): that is not the watchdog
+    ("pytest_torchhang/watchdog.py", ("_run",), "torch-hang watchdog"),
     ("pytest_torchhang/processwide.py", ("serve",), "torch-hang launcher"),
     (
         "pytest_torchhang/inject/hook.py",

@@ -81,6 +81,7 @@ class Why(enum.Enum):
     UNINTERRUPTIBLE = "a call no signal interrupts"  # the watchdog runs; the test never raised
     GIL_HELD = "the GIL is held"  # the watchdog thread waits for the GIL
     WATCHDOG_RUNS = "the watchdog runs but did not act"
+    WATCHDOG_BUSY = "the watchdog began to act and did not finish"
     UNKNOWN = "not shown"
 
 
@@ -95,30 +96,41 @@ class Evidence:
     watchdog_state: str = ""  # its /proc state letter ('' gone or unknown)
     watchdog_switches: int | None = None  # in GIL_SAMPLE_S (None: not read)
     main_state: str = ""
+    busy_s: float = 0.0  # how long the watchdog has been acting without beating (0: it is not)
 
     @property
     def why(self) -> Why:
         if self.fired and self.beat_age_s is not None and self.beat_age_s <= BEAT_FRESH_S:
             return Why.UNINTERRUPTIBLE
+        if self.watchdog_switches is not None and self.watchdog_switches >= GIL_WAIT_SWITCHES:
+            return Why.GIL_HELD  # sampled only where the other evidence left it open
+        if not self.fired and self.busy_s > 0:
+            return Why.WATCHDOG_BUSY
         if not self.fired and self.ran_since_deadline:
             return Why.WATCHDOG_RUNS
-        if self.watchdog_switches is not None and self.watchdog_switches >= GIL_WAIT_SWITCHES:
-            return Why.GIL_HELD
         return Why.UNKNOWN
 
 
 def gather(
-    pytest_pid: int, fired: bool, deadline: float, beat: tuple[int, float] | None
+    pytest_pid: int,
+    fired: bool,
+    deadline: float,
+    beat: tuple[int, float] | None,
+    busy_since: float = 0.0,
 ) -> Evidence:
     """Read the evidence (bounded: ``GIL_SAMPLE_S`` and a few /proc reads); ``deadline``: when
-    the watchdog was due to act, ``beat``: the watchdog's last heartbeat (tid, when)."""
+    the watchdog was due to act, ``beat``: the watchdog's last heartbeat (tid, when),
+    ``busy_since``: since when it has been acting on it (0: it is not)."""
     now = clock.monotonic()
     main_state = state_of(pytest_pid)
     if beat is None:
         return Evidence(fired, None, main_state=main_state)
     tid, at = beat
-    seen = Evidence(fired, max(0.0, now - at), at >= deadline, tid, main_state=main_state)
-    if seen.why is Why.UNKNOWN:  # only then is the GIL in question: sample the switches
+    busy = max(now - busy_since, 0.0) if busy_since and not fired else 0.0
+    seen = Evidence(
+        fired, max(0.0, now - at), at >= deadline, tid, main_state=main_state, busy_s=busy
+    )
+    if seen.why in (Why.UNKNOWN, Why.WATCHDOG_BUSY):  # is the GIL in question: sample switches
         first = switches_of(pytest_pid, tid)
         clock.sleep(GIL_SAMPLE_S)
         last = switches_of(pytest_pid, tid)
@@ -191,6 +203,13 @@ def sentence(evidence: Evidence, thread: str, call: str, ending: str) -> str:
             f"for the GIL (it woke {evidence.watchdog_switches} times in {GIL_SAMPLE_S:g}s to ask "
             f"for it, and never ran). {ending}; the stack of the pytest process below shows "
             f"where its {thread} is{where}."
+        )
+    if why is Why.WATCHDOG_BUSY:
+        return (
+            f"{opening}: pytest's watchdog thread began to act on it {evidence.busy_s:.1f}s ago "
+            "(it loads its capture, checks for a debugger, then fires) and did not finish (its "
+            "stack is in the notes below); the GIL is not known to be held. "
+            f"{ending}; the stack of the pytest process below shows where its {thread} is{where}."
         )
     if why is Why.WATCHDOG_RUNS:
         seen = f"{evidence.beat_age_s:.1f}s ago"

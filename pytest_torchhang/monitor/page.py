@@ -35,7 +35,7 @@ class DeadlineBoard:
     _TAIL_AT = SIZE - 4096
     MAX_PAIRS = (_TAIL_AT - _PAIRS_AT) // _PAIR.size
     _BEAT_AT = _TAIL_AT
-    _BEAT = struct.Struct("<QQd")  # seq, native thread id, last beat (monotonic)
+    _BEAT = struct.Struct("<QQdd")  # seq, native thread id, last beat, busy since (0: idle)
     _STOPS_AT = _TAIL_AT + 64
     _STOPS_HEAD = struct.Struct("<QQ")  # seq, stops begun so far
     _STOP = struct.Struct("<dd")  # began, ended (inf while it lasts)
@@ -122,20 +122,32 @@ class DeadlineBoard:
 
     # --- the watchdog's heartbeat: written by the watchdog thread, read by the monitor ----------
 
-    def beat(self, now: float, tid: int) -> None:
-        """The watchdog thread ran at ``now``: evidence that the GIL was not held for good."""
+    def beat(self, now: float, tid: int, busy: bool = False) -> None:
+        """The watchdog thread ran at ``now``: evidence that the GIL was not held for good.
+        ``busy``: it goes on to act (load its cold path, check for a debugger, fire), which
+        may take seconds of a loaded machine before it can say FIRED."""
         self._beat_seq += 2
-        self._BEAT.pack_into(self._page, self._BEAT_AT, self._beat_seq - 1, tid, now)
-        self._BEAT.pack_into(self._page, self._BEAT_AT, self._beat_seq, tid, now)
+        since = now if busy else 0.0
+        self._BEAT.pack_into(self._page, self._BEAT_AT, self._beat_seq - 1, tid, now, since)
+        self._BEAT.pack_into(self._page, self._BEAT_AT, self._beat_seq, tid, now, since)
+
+    def _beat(self) -> tuple[int, float, float] | None:
+        for _ in range(1000):
+            seq, tid, at, busy = self._BEAT.unpack_from(self._page, self._BEAT_AT)
+            if seq % 2 == 0 and self._BEAT.unpack_from(self._page, self._BEAT_AT)[0] == seq:
+                return (tid, at, busy) if seq else None
+            clock.sleep(0.0001)
+        return None
 
     def last_beat(self) -> tuple[int, float] | None:
         """(the watchdog's native thread id, when it last ran), or None before its first beat."""
-        for _ in range(1000):
-            seq, tid, at = self._BEAT.unpack_from(self._page, self._BEAT_AT)
-            if seq % 2 == 0 and self._BEAT.unpack_from(self._page, self._BEAT_AT)[0] == seq:
-                return (tid, at) if seq else None
-            clock.sleep(0.0001)
-        return None
+        beat = self._beat()
+        return beat[:2] if beat is not None else None
+
+    def busy_since(self) -> float:
+        """Since when the watchdog thread has been acting without beating again (0: it is not)."""
+        beat = self._beat()
+        return beat[2] if beat is not None else 0.0
 
     # --- the stop log: written by the monitor, read by the watchdog -----------------------------
 

@@ -26,8 +26,12 @@ from .. import clock
 from . import evidence
 from .page import DeadlineBoard
 
-#: How long after the deadline the watchdog thread has to say it fired.
+#: How long after the deadline the watchdog thread has to say it fired ...
 GIL_GRACE_S = 3.0
+#: ... or, once it has begun to act (it loads its cold path seconds before the first deadline,
+#: checks for a debugger, then fires), how long it has from then: on a loaded machine the
+#: import alone took 3.5 s, and a session ended for that would be a false verdict.
+BUSY_GRACE_S = 20.0
 #: How long after the watchdog fired the test has to finish.
 HARD_GRACE_S = 20.0
 #: The last-resort capture may take this much longer than a capture's own budget (native
@@ -135,11 +139,16 @@ def main(argv: list[str]) -> int:
                 counting = (current[0], now - POLL_S)  # written since the last look
             since = fired[1] if fired is not None else counting[1]
             due = fired[1] + HARD_GRACE_S if fired is not None else current[1] + GIL_GRACE_S
+            busy = board.busy_since() if fired is None else 0.0
+            if busy:  # the watchdog runs, and is at work on it
+                due = max(due, busy + BUSY_GRACE_S)
             # a stopped pytest is paused, not hung: its deadline moves on by the stop
             due = max(due + board.stopped_between(since, now), earliest)
         if current is not None and due is not None and now >= due and not stops.stopped:
             deadline, timeout_s, before, test_id = current[1:]
-            seen = evidence.gather(pytest_pid, fired is not None, deadline, board.last_beat())
+            seen = evidence.gather(
+                pytest_pid, fired is not None, deadline, board.last_beat(), board.busy_since()
+            )
             _take_over(
                 pytest_pid,
                 dump_dir,

@@ -225,6 +225,7 @@ def test_a_limit_set_during_a_pause_races_an_earlier_one_on_equal_terms() -> Non
 def test_a_grace_that_starts_during_a_pause_runs_from_the_pause_s_end() -> None:
     # a fixture call hangs at 3, during a pause from 2 to 10: the grace (5 s) is due at 15
     state = dl.start(0.0, {Source.TIMEOUT: 5.0})
+    state, _ = dl.decide(state, dl.PhaseStarted("call"), 0.0)  # the test's code runs
     state, _ = dl.decide(state, dl.CallStarted(1, 1.0), 0.5)
     state, _ = dl.decide(state, dl.Pause(), 2.0)
     state, _ = dl.decide(state, dl.CallEnded(1, hung=True), 3.0)
@@ -283,6 +284,7 @@ def test_a_stop_learnt_long_after_the_deadline_fires_nothing() -> None:
 
 def test_a_stop_moves_the_stall_clock_and_the_grace_too() -> None:
     state = dl.start(0.0, {Source.TIMEOUT: 30.0}, stall_s=4.0, grace_s=5.0)
+    state, _ = dl.decide(state, dl.PhaseStarted("call"), 0.0)  # the test's code runs
     state, _ = dl.decide(state, dl.Progress(2.0), 2.0)
     state, decision = dl.decide(state, dl.Stopped(10.0), 13.0)  # stopped from 3 to 13
     assert decision == dl.Decision(None, 16.0)  # 2 + 4, moved on by 10
@@ -402,8 +404,63 @@ def test_delivery_starts_the_grace_and_a_teardown_past_it_fires_again() -> None:
     )
 
 
+def _delivered_in_call(at: float = 4.2) -> dl.State:
+    """A 4 s test that hung in its call and took its HangError at ``at`` (grace due at +4)."""
+    state = dl.start(0.0, {Source.TIMEOUT: 4.0})
+    state, _ = dl.decide(state, dl.PhaseStarted("call"), 0.0)
+    state, _ = dl.decide(state, dl.Tick(), 4.0)
+    state, _ = dl.decide(state, dl.CaptureDone(), 4.1)
+    state, _ = dl.decide(state, dl.Delivered(), at)
+    return state
+
+
+def test_the_grace_counts_only_the_tests_own_code_not_pytests_reporting_between_phases() -> None:
+    # the call raises at 4.2 (grace due 8.2); pytest reports the hang from 5.0 to 9.0 (a loaded
+    # machine); the teardown starts at 9.0 with the 3.2 s it had left: due at 12.2, not at 8.2
+    state = _delivered_in_call()
+    state, decision = dl.decide(state, dl.PhaseEnded(), 5.0)
+    assert decision == dl.Decision(None, 5.0 + 3.2 + dl.OWN_CODE_S)
+    state, decision = dl.decide(state, dl.Tick(), 8.2)
+    assert decision.action is None
+    state, decision = dl.decide(state, dl.PhaseStarted("teardown"), 9.0)
+    assert decision == dl.Decision(None, pytest.approx(12.2))
+    state, decision = dl.decide(state, dl.Tick(), 12.2)
+    assert (decision.action, decision.source) == (Action.FIRE, Source.GRACE)
+
+
+def test_pytests_own_code_after_a_delivered_hang_is_bounded_too() -> None:
+    state = _delivered_in_call()
+    state, decision = dl.decide(state, dl.PhaseEnded(), 5.0)
+    due = 5.0 + 3.2 + dl.OWN_CODE_S
+    assert dl.monitor_due(state, decision.wake) == due  # the monitor is told the bound
+    state, decision = dl.decide(state, dl.Tick(), due)
+    assert (decision.action, decision.source) == (Action.FIRE, Source.GRACE)
+
+
+def test_a_hang_delivered_while_pytests_code_runs_keeps_its_whole_grace_for_the_teardown() -> None:
+    # the report reached the test through pytest's report hook (no interrupt landed in time)
+    state = dl.start(0.0, {Source.TIMEOUT: 4.0})
+    state, _ = dl.decide(state, dl.Tick(), 4.0)
+    state, _ = dl.decide(state, dl.CaptureDone(), 4.1)
+    state, decision = dl.decide(state, dl.Delivered(), 7.0)
+    assert decision.wake == 7.0 + 4.0 + dl.OWN_CODE_S
+    state, decision = dl.decide(state, dl.PhaseStarted("teardown"), 20.0)
+    assert decision == dl.Decision(None, 24.0)
+
+
+def test_a_pause_while_the_grace_is_held_moves_its_bound() -> None:
+    state = _delivered_in_call()
+    state, _ = dl.decide(state, dl.PhaseEnded(), 5.0)
+    state, _ = dl.decide(state, dl.Pause(), 6.0)
+    state, decision = dl.decide(state, dl.Resume(), 16.0)
+    assert decision.wake == pytest.approx(5.0 + 3.2 + dl.OWN_CODE_S + 10.0)
+    state, decision = dl.decide(state, dl.PhaseStarted("teardown"), 17.0)
+    assert decision.wake == pytest.approx(20.2)
+
+
 def test_the_grace_after_a_stall_is_the_stall_time() -> None:
     state = dl.start(0.0, {}, stall_s=3.0)
+    state, _ = dl.decide(state, dl.PhaseStarted("call"), 0.0)  # the test's code runs
     state, _ = dl.decide(state, dl.Tick(), 3.0)
     state, _ = dl.decide(state, dl.CaptureDone(), 3.0)
     state, decision = dl.decide(state, dl.Delivered(), 3.5)
@@ -557,6 +614,6 @@ def test_the_running_flag_recorded_without_an_event_decides_as_the_phase_events_
     state = _states()[index]
     event: dl.Event = dl.PhaseStarted("call") if running else dl.PhaseEnded()
     for now in (2.3, 3.1, 3.2, 10.0):
-        assert dl.decide(dl.with_running(state, running), dl.Tick(), now) == dl.decide(
+        assert dl.decide(dl.with_running(state, running, now), dl.Tick(), now) == dl.decide(
             state, event, now
         )

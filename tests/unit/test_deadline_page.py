@@ -77,6 +77,11 @@ def test_the_watchdogs_heartbeat_reaches_the_monitor(tmp_path: Path) -> None:
     pytest_side.beat(12.5, 4242)
     pytest_side.beat(13.5, 4242)
     assert monitor_side.last_beat() == (4242, 13.5)
+    assert monitor_side.busy_since() == 0.0
+    pytest_side.beat(14.0, 4242, busy=True)  # it goes on to act: until its next beat
+    assert monitor_side.busy_since() == 14.0 and monitor_side.last_beat() == (4242, 14.0)
+    pytest_side.beat(17.5, 4242)
+    assert monitor_side.busy_since() == 0.0
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,11 @@ FRESH, STALE = 0.8, 10.0
         (Evidence(True, STALE), Why.UNKNOWN),
         # it ran after the deadline, and still did not fire
         (Evidence(False, FRESH, ran_since_deadline=True), Why.WATCHDOG_RUNS),
+        # it began to act (its cold path's import, the debugger check) and did not finish
+        (Evidence(False, STALE, busy_s=21.0), Why.WATCHDOG_BUSY),
+        (Evidence(False, FRESH, ran_since_deadline=True, busy_s=21.0), Why.WATCHDOG_BUSY),
+        (Evidence(False, STALE, watchdog_switches=60, busy_s=21.0), Why.GIL_HELD),
+        (Evidence(True, STALE, busy_s=21.0), Why.UNKNOWN),  # fired: busy no longer counts
     ],
 )
 def test_the_reason_is_only_what_the_evidence_shows(seen: Evidence, why: Why) -> None:
@@ -63,8 +68,10 @@ def test_the_reason_is_only_what_the_evidence_shows(seen: Evidence, why: Why) ->
     assert "test_x.py:3 in test_x" in text, text
     if why is Why.UNINTERRUPTIBLE:
         assert "The GIL is free" in text and "isolate=True" in text, text
-    if why is Why.UNKNOWN:
+    if why in (Why.UNKNOWN, Why.WATCHDOG_BUSY):
         assert "the GIL is not known to be held" in text, text
+    if why is Why.WATCHDOG_BUSY:
+        assert "began to act on it 21.0s ago" in text, text
 
 
 @pytest.fixture

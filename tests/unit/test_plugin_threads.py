@@ -53,3 +53,27 @@ def test_the_report_folds_the_plugins_threads_into_one_line() -> None:
     assert "1 thread(s) of pytest-torchhang itself, not shown: torch-hang watchdog" in text
     assert "watchdog.py" not in text
     assert "server.py" in text
+
+
+def test_only_the_thread_that_runs_the_watchdog_is_labelled_the_watchdog() -> None:
+    # pytest's main thread waits in watchdog.py for a capture in progress, from its report hook
+    # (seen in a real report: it was labelled "[torch-hang watchdog]")
+    from pytest_torchhang.diagnosis.roles import label_roles
+
+    main = ThreadStack(
+        "0x1",
+        name="MainThread",
+        frames=[
+            Frame(THREADING, 331, "wait"),
+            Frame("/site/pytest_torchhang/watchdog.py", 235, "wait_for_capture"),
+            Frame("/site/pytest_torchhang/watchdog.py", 277, "take_reports"),
+            Frame("/site/pytest_torchhang/plugin.py", 688, "pytest_runtest_makereport"),
+        ],
+    )
+    proc = ProcessReport(
+        pid=10, ppid=1, role="", cmdline="pytest", state="sleeping", cpu_s=0.4,
+        cpu_delta_s=0.0, rss_bytes=0, num_threads=2, age_s=5.0, dump_status="ok",
+        threads=[main, WATCHDOG],
+    )  # fmt: skip
+    label_roles([proc], 10, {}, "pytest")
+    assert proc.thread_roles == {"0x2": "torch-hang watchdog"}
