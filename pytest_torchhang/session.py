@@ -212,6 +212,10 @@ class SessionState:
         from .capture.target import CaptureTarget
         from .watchdog import TestDeadline
 
+        # the plugin's own set-up (the run's context from /proc, the progress board) first:
+        # the test's clocks start after it
+        context = self._open_context()
+        board = self._progress_board() if stall_s > 0 else None
         now = clock.monotonic()
         if now - self._monitor_checked >= MONITOR_CHECK_S:
             self._monitor_checked = now
@@ -229,14 +233,13 @@ class SessionState:
             exclude=frozenset(self.own_pids(start=False, wait=False)),  # the monitor's: at a fire
             shm_since=clock.wall(),
             native=self.settings.native,
-            before=self._open_context(),  # the rest of it is settled at a fire
+            before=context,  # the rest of it is settled at a fire
             root_role=f"pytest (xdist worker {worker})" if worker else "pytest",
         )
         held = TestDeadline(target, state, threading.get_ident(), item=item)
         held.arm_ticks = clock.boot_ticks()  # ownership, settled at a fire by start times
         held.before_capture = functools.partial(self._at_fire, held)
-        if stall_s > 0:
-            held.board = self._progress_board()
+        held.board = board
         item.stash[DEADLINE] = held
         self.current = held
         held.start(now)  # the model's first wake time: nobody else holds the deadline yet
