@@ -51,9 +51,10 @@ def _torchhang_bootstrap() -> None:
     protocol = hook = None
     step = "load its start-up hook"
     try:
-        # first: the others import it (``from .protocol import``), so they find it loaded
+        # first: what hook.py imports (``from .protocol import``), so it finds them loaded
         protocol = _load(package_dir, "protocol")
         _load(package_dir, "stderr")
+        _load(package_dir, "snapshot")
         hook = _load(package_dir, "hook")
         step = "install its stack-dump handler"
         if hook.install():  # type: ignore[attr-defined]
