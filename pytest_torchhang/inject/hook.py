@@ -14,6 +14,7 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
+from .imports import C10D, after_import
 from .protocol import (
     DUMP_DIR_ENV,
     DUMP_SIGNAL,
@@ -32,6 +33,7 @@ from .stderr import StderrTail
 
 if TYPE_CHECKING:
     import threading
+    from types import ModuleType
 
 # Wall time out of reach of a test's patches of ``time`` (freezegun, time-machine), as the
 # package's ``clock.wall`` reads it (this module may not import the package): the host's while
@@ -374,48 +376,25 @@ def _wrap_init(module: object) -> None:
         package.init_process_group = init_process_group  # type: ignore[attr-defined]
 
 
-class _C10dFinder:
-    """Import hook: wraps ``init_process_group`` when torch.distributed's c10d module loads."""
-
-    name = "torch.distributed.distributed_c10d"
-
-    @classmethod
-    def find_spec(cls, fullname: str, path: object = None, target: object = None) -> object:
-        if fullname != cls.name:
-            return None
-        from importlib.machinery import PathFinder
-
-        spec = PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
-        loader = getattr(spec, "loader", None)
-        exec_module = getattr(loader, "exec_module", None)
-        if spec is None or exec_module is None:
-            return spec
-
-        def exec_and_wrap(module: object) -> None:
-            exec_module(module)
-            try:
-                _wrap_init(module)
-            except Exception as exc:
-                child_note(
-                    f"pytest-torchhang could not wrap init_process_group in pid {os.getpid()} "
-                    f"(no flight-recorder entries from it): {type(exc).__name__}: {exc}"
-                )
-
-        loader.exec_module = exec_and_wrap  # type: ignore[union-attr]
-        return spec
+def _wrap_init_or_say(module: ModuleType) -> None:
+    """:func:`_wrap_init` at the module's import (through ``imports.after_import``), which says
+    why it could not rather than break the user's import."""
+    try:
+        _wrap_init(module)
+    except Exception as exc:
+        child_note(
+            f"pytest-torchhang could not wrap init_process_group in pid {os.getpid()} "
+            f"(no flight-recorder entries from it): {type(exc).__name__}: {exc}"
+        )
 
 
 def _install_finder() -> None:
-    import sys
-
     if _Registration.finder_installed:
         return
     _Registration.finder_installed = True
-    loaded = sys.modules.get(_C10dFinder.name)
+    loaded = after_import(C10D, "flight recorder", _wrap_init_or_say)
     if loaded is not None:
         _wrap_init(loaded)  # torch came first (the zygote's preload): wrap in place
-    else:
-        sys.meta_path.insert(0, _C10dFinder)  # type: ignore[arg-type]
 
 
 # --- the dump handler's Python half ----------------------------------------------------------

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 # The environment keys and the preparation data's key (inject/protocol.py, the child protocol).
+from .imports import C10D, after_import, forget
 from .protocol import PLUGIN_THREAD_NAMES, STRESS_ENV
 from .protocol import STRESS_IDENTITY_ENV as IDENTITY_ENV
 from .protocol import STRESS_PLACE_KEY as PLACE_KEY
@@ -139,7 +140,6 @@ class _State:
     record_dir = ""
     patched: ClassVar[list[tuple[Any, str, Any]]] = []  # (owner, name, original) for uninstall
     fork_hook = False
-    finder: Any = None
     switch = 0.0
     #: code object -> whether it waits on a condition (``_waits``), kept across runs: it only reads
     waiters: ClassVar[dict[Any, bool]] = {}
@@ -503,41 +503,21 @@ def _patch_worker(module: Any) -> None:
 
 #: Modules of torch patched when they are imported (or at install, when they already are).
 _LATER: dict[str, Callable[[Any], None]] = {
-    "torch.distributed.distributed_c10d": _patch_c10d,
+    C10D: _patch_c10d,
     "torch.utils.data._utils.worker": _patch_worker,
 }
 
 
-class _Finder:
-    """Import hook: patches torch's modules when the user imports them; never imports torch."""
+def _quietly(patch: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``patch`` run at the user's import of its module: stress is a bonus, never an error."""
 
-    @classmethod
-    def find_spec(cls, fullname: str, path: object = None, target: object = None) -> object:
-        patch = _LATER.get(fullname)
-        if patch is None or not _State.active:
-            return None
-        spec = None
-        for finder in sys.meta_path:  # the others first: the start-up hook's own finder
-            find = getattr(finder, "find_spec", None)  # wraps init_process_group
-            if finder is cls or find is None:  # type: ignore[comparison-overlap]
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                break
-        loader = getattr(spec, "loader", None)
-        exec_module = getattr(loader, "exec_module", None)
-        if spec is None or exec_module is None:
-            return spec
+    def run(module: Any) -> None:
+        try:  # noqa: SIM105
+            patch(module)
+        except Exception:
+            pass
 
-        def exec_and_patch(module: object) -> None:
-            exec_module(module)
-            try:  # noqa: SIM105
-                patch(module)
-            except Exception:  # stress is a bonus: never break the user's import
-                pass
-
-        loader.exec_module = exec_and_patch  # type: ignore[union-attr]
-        return spec
+    return run
 
 
 # --- the process's life -----------------------------------------------------------------------
@@ -597,12 +577,9 @@ def install(seed: int, identity: str = "0", record_dir: str = "") -> None:
     _patch_threading()
     _patch_multiprocessing()
     for name, patch in _LATER.items():
-        module = sys.modules.get(name)
+        module = after_import(name, "stress", _quietly(patch))
         if module is not None:
             patch(module)
-    if _State.finder is None:
-        _State.finder = _Finder
-        sys.meta_path.insert(0, _Finder)  # type: ignore[arg-type]
     if not _State.fork_hook:
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _State.fork_hook = True
@@ -670,12 +647,7 @@ def uninstall() -> None:
                 pass
         else:
             setattr(owner, name, original)
-    if _State.finder is not None:
-        try:  # noqa: SIM105
-            sys.meta_path.remove(_State.finder)
-        except ValueError:
-            pass
-        _State.finder = None
+    forget("stress")
     if _State.record_fd >= 0:
         os.close(_State.record_fd)
         _State.record_fd = -1

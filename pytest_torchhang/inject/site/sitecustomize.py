@@ -55,6 +55,7 @@ def _torchhang_bootstrap() -> None:
         protocol = _load(package_dir, "protocol")
         _load(package_dir, "stderr")
         _load(package_dir, "snapshot")
+        _load(package_dir, "imports")
         hook = _load(package_dir, "hook")
         step = "install its stack-dump handler"
         if hook.install():  # type: ignore[attr-defined]
