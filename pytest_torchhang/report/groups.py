@@ -164,7 +164,7 @@ def cut_startup(frames: list[Frame]) -> list[Frame]:
 
 #: Where ``--torch-hang-hunt-stress`` wraps the user's calls (its ``stressed`` wrappers, its
 #: meeting points): frames of the plugin inside the user's stacks, not of the user's program.
-_STRESS_FILES = ("pytest_torchhang/inject/stress.py",)
+_STRESS_FILES = ("pytest_torchhang/inject/stress.py", "pytest_torchhang/inject/stress_schedule.py")
 #: The placeholder of cut stress frames: the plugin's own, rendered as pytest's are.
 STRESS_CUT = Frame("<pytest-torchhang>", 0, "... --torch-hang-hunt-stress frames cut")
 

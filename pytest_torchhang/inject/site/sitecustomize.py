@@ -67,6 +67,7 @@ def _torchhang_bootstrap() -> None:
         switch = _os.environ.get(protocol.STRESS_ENV, "")  # type: ignore[attr-defined]
         if hook.stress_requested(switch):  # type: ignore[attr-defined]
             step = "start --torch-hang-hunt-stress"
+            _load(package_dir, "stress_schedule")  # what stress.py imports, loaded first
             _load(package_dir, "stress").install_from_env(fresh=True)  # type: ignore[attr-defined]
     except Exception as exc:  # never break the child's start-up: say it instead
         _note(
