@@ -30,6 +30,19 @@ from .waits import LISTENING
 #: they come last, whatever their stacks. A Manager server is not among them: it is ordered by
 #: its stacks, as the test's own processes are (a server blocked serving a call is a culprit).
 HELPERS = (*(kind for kind in HELPER_KINDS if kind != MANAGER_SERVER), *ASIDE_ROLES)
+
+
+def helper_role(role: str) -> bool:
+    """Whether a role's text is a helper's (``forkserver``, ``Manager server (pid 12)``)."""
+    return role.startswith(HELPER_KINDS)
+
+
+def aside_role(role: str) -> bool:
+    """Whether a role's text is of a process shown for context (``started before this test
+    (zygote)``, ``fixture-owned worker (Pool worker)``), not one of the test's own."""
+    return role.startswith(ASIDE_ROLES)
+
+
 #: The placeholder frames of cut stacks (pytest's own, the plugin's, multiprocessing's start-up).
 STARTUP_CUT = "<multiprocessing>"
 _PLACEHOLDERS = ("<pytest>", "<pytest-torchhang>", STARTUP_CUT)
