@@ -93,3 +93,47 @@ def test_two_copies_of_the_hook_chain_rather_than_ask_each_other_forever(module_
         assert sorted(module.marks) == ["recorder", "stress"]
     finally:
         sys.meta_path.remove(copy._Finder)
+
+
+def test_a_fresh_child_with_stall_detection_and_stress_imports_torch_distributed(
+    tmp_path: Path,
+) -> None:
+    # The start-up hook's real path: sitecustomize installs the recorder, the beats and the
+    # stress, then the child imports c10d (a stand-in, so that no torch is imported here).
+    import os
+    import subprocess
+
+    from pytest_torchhang.inject import beats, protocol
+
+    fake = tmp_path / "fake" / "torch" / "distributed"
+    fake.mkdir(parents=True)
+    for package in (fake.parent, fake):
+        (package / "__init__.py").write_text("")
+    (fake / "distributed_c10d.py").write_text(
+        "def init_process_group(*a, **k):\n    return 'init'\n"
+        "def all_reduce(*a, **k):\n    return 'all_reduce'\n"
+    )
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    reader = beats.new_board(str(dumps), 1)
+    site = Path(protocol.__file__).parent / "site"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), str(tmp_path / "fake")]),
+        protocol.DUMP_DIR_ENV: str(dumps),
+        protocol.PROGRESS_ENV: beats.pointer_path(str(dumps)),
+        protocol.STRESS_ENV: "7",
+    }
+    code = (
+        "import torch.distributed.distributed_c10d as m\n"
+        "print(m.init_process_group._torch_hang_wrapped, m.all_reduce(), flush=True)\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        beats.end_board(reader)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "all_reduce"]
+    assert not [n for n in os.listdir(dumps) if n.endswith(".notes")]  # no patch failed
