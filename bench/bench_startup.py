@@ -62,6 +62,8 @@ HOT = (
     "pytest_torchhang.debuggers",  # each guarded test's debugger check (stdlib only)
     "pytest_torchhang.rerun",  # records the session's hangs in pytest's cache (pytest only)
     "pytest_torchhang.fixtures",  # the per-test hooks' wrapper of wider fixtures' setup
+    "pytest_torchhang.pertest",  # the per-test hooks themselves (plugin.py's split, issue 30)
+    "pytest_torchhang.terminal",  # its short summary's wrapper, registered at configure
     "pytest_torchhang.devices",
     "pytest_torchhang.inject",
     "pytest_torchhang.monitor.client",

@@ -251,6 +251,10 @@ class ItemSettings:
     stall: float = 0.0
 
 
+#: Each test's settings, resolved at collection (a bad marker is a usage error then).
+ITEM_SETTINGS = pytest.StashKey[ItemSettings]()
+
+
 _MARKER_SIGNATURE = "(timeout=None, stall=None, isolate=False)"
 
 
@@ -286,3 +290,94 @@ def item_settings(item: pytest.Item, session: SessionSettings) -> ItemSettings:
         else parse_timeout(stall, f"{source}: stall", "stall detection")
     )
     return ItemSettings(seconds, isolate, stall_s)
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """The plugin's command-line options and ini keys (``plugin.pytest_addoption``)."""
+    group = parser.getgroup("torch-hang", "hang detection for PyTorch multiprocess tests")
+    group.addoption(
+        TIMEOUT_OPTION,
+        dest="torch_hang_timeout",
+        default=None,
+        metavar="SECONDS",
+        help="Fail a test that runs longer than SECONDS, with the stacks of every process in its "
+        f"tree, then kill that tree; 0 turns it off (env {TIMEOUT_ENV}, "
+        f"ini {TIMEOUT_INI})",
+    )
+    group.addoption(
+        STALL_OPTION,
+        dest="torch_hang_stall",
+        default=None,
+        metavar="SECONDS",
+        help="Fail a test whose process tree makes no progress (DataLoader batches, optimizer "
+        "steps, collectives, pytest_torchhang.progress()) for SECONDS; 0 turns it off "
+        f"(env {STALL_ENV}, ini {STALL_INI})",
+    )
+    group.addoption(
+        HUNT_OPTION,
+        dest="torch_hang_hunt",
+        default=None,
+        metavar="N",
+        help="Hunt rare hangs: run each selected test up to N times under the guard, stopping "
+        "at its first hang, and show each distinct way it hung once",
+    )
+    group.addoption(
+        HUNT_ALL_OPTION,
+        dest="torch_hang_hunt_all",
+        action="store_true",
+        default=False,
+        help=f"With {HUNT_OPTION}: run all N runs and count the hangs",
+    )
+    group.addoption(
+        HUNT_STRESS_OPTION,
+        dest="torch_hang_hunt_stress",
+        action="store_true",
+        default=False,
+        help=f"With {HUNT_OPTION}: make races likelier: odd runs wait briefly, at "
+        "random, where the tree's processes and threads meet (queues, pipes, locks, events, "
+        "shared values, process start and join, collectives), even runs stay plain for "
+        "comparison; changes timing, not semantics",
+    )
+    group.addoption(
+        HUNT_SEED_OPTION,
+        dest="torch_hang_hunt_seed",
+        default=None,
+        metavar="SEED",
+        help=f"With {HUNT_OPTION}: stress every run with the schedule of SEED, as a "
+        "stressed run that hung printed it",
+    )
+    group.addoption(
+        "--torch-hang-rerun",
+        dest="torch_hang_rerun",
+        action="store_true",
+        default=False,
+        help="Run only the tests that hung or stalled last time (pytest's cache, as --lf), or "
+        "every test when none did",
+    )
+    group.addoption(
+        REPORT_DIR_OPTION,
+        dest="torch_hang_report_dir",
+        default=None,
+        metavar="DIR",
+        help="Write one JSON report per hang into DIR (relative to the invocation directory)",
+    )
+    group.addoption(
+        NATIVE_OPTION,
+        dest="torch_hang_native",
+        action="store_true",
+        default=False,
+        help="Add native stacks through pystack (or else py-spy) where installed and permitted",
+    )
+    parser.addini(TIMEOUT_INI, "Seconds before a test counts as hung (0 = off)", default="")
+    parser.addini(
+        STALL_INI,
+        "Seconds without progress before a test counts as stalled (0 = off)",
+        default="",
+    )
+    parser.addini(REPORT_DIR_INI, "Directory for one JSON report per hang", default="")
+    parser.addini(
+        # a string checked by the plugin: pytest's own "bool" type fails without naming the key
+        NATIVE_INI,
+        "Add native stacks through pystack or py-spy (true/false)",
+        default="",
+    )

@@ -1,7 +1,7 @@
 """The asyncio tasks of the tree's running event loops: read here, or from each process's answer.
 
 A thread that runs an event loop shows only the loop's ``select`` in its stack. The tasks it
-runs are read by ``inject.hook.asyncio_snapshot``: directly for this very process, and, for a
+runs are read by ``inject.snapshot.asyncio_snapshot``: directly for this very process, and, for a
 child, by the Python half of its dump handler (``PID.tasks.json``), written once its main
 thread runs Python code again after the dump signal.
 """
@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from .. import clock
-from ..inject.hook import asyncio_snapshot
 from ..inject.protocol import tasks_path
+from ..inject.snapshot import asyncio_snapshot
 from ..report.model import AsyncTask, EventLoop, Frame, ProcessReport, ThreadStack
 
 #: How long the capture waits, at most, for the tasks of processes that run a loop.

@@ -3,7 +3,7 @@
 The masks (``SigCgt``, ``SigBlk``, ``SigIgn``) are read from outside, for every process. Which
 signals run a Python handler, and the ``ITIMER_REAL`` alarm still pending, only the process can
 tell: this process reads its own; a child's dump handler writes them (``PID.signals.json``,
-``inject.hook.signal_snapshot``) once its main thread runs Python code again after the dump
+``inject.snapshot.signal_snapshot``) once its main thread runs Python code again after the dump
 signal, as it writes its asyncio tasks.
 """
 
@@ -13,8 +13,8 @@ import os
 from typing import Any
 
 from .. import clock
-from ..inject.hook import signal_snapshot
 from ..inject.protocol import signals_path
+from ..inject.snapshot import signal_snapshot
 from ..report.model import ProcessReport
 from ..report.signals import TOLD, SignalFacts, names
 from . import aio, procfs

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import re
 import signal
 import struct
@@ -17,6 +16,7 @@ from .. import clock
 from ..report import waits as w
 from ..report.model import TaskWait, WaitEdge
 from . import procfs, sockets
+from .syscalls import F_SETLKW, FD_READS, FD_WRITES, FUTEX_PRIVATE, SLEEPS, SYSCALLS, timed
 
 #: The whole read is bounded: past this, threads keep their syscall but objects are not resolved.
 BUDGET_S = 0.5
@@ -25,31 +25,6 @@ MAX_TASKS = 64
 #: At most this many descriptors of one poll/select are followed.
 MAX_POLL_FDS = 64
 
-_X86_64 = {
-    0: "read", 1: "write", 7: "poll", 17: "pread64", 19: "readv", 20: "writev", 23: "select",
-    24: "sched_yield", 34: "pause", 62: "kill", 200: "tkill", 234: "tgkill", 35: "nanosleep", 42: "connect", 43: "accept", 44: "sendto",
-    45: "recvfrom", 46: "sendmsg", 47: "recvmsg", 61: "wait4", 65: "semop", 72: "fcntl",
-    73: "flock", 128: "rt_sigtimedwait", 130: "rt_sigsuspend", 202: "futex", 219: "restart_syscall",
-    220: "semtimedop", 230: "clock_nanosleep", 232: "epoll_wait", 247: "waitid", 257: "openat",
-    2: "open", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 288: "accept4",
-    441: "epoll_pwait2", 449: "futex_waitv",
-}  # fmt: skip
-_AARCH64 = {
-    63: "read", 64: "write", 73: "ppoll", 67: "pread64", 65: "readv", 66: "writev",
-    72: "pselect6", 124: "sched_yield", 101: "nanosleep", 203: "connect", 202: "accept",
-    206: "sendto", 207: "recvfrom", 211: "sendmsg", 212: "recvmsg", 260: "wait4", 25: "fcntl",
-    32: "flock", 137: "rt_sigtimedwait", 133: "rt_sigsuspend", 98: "futex", 128: "restart_syscall",
-    192: "semtimedop", 115: "clock_nanosleep", 22: "epoll_pwait", 95: "waitid", 56: "openat",
-    242: "accept4", 441: "epoll_pwait2", 449: "futex_waitv",
-}  # fmt: skip
-SYSCALLS = _AARCH64 if platform.machine() in ("aarch64", "arm64") else _X86_64
-
-_FD_READS = ("read", "pread64", "readv", "recvfrom", "recvmsg", "accept", "accept4")
-_FD_WRITES = ("write", "writev", "sendto", "sendmsg", "connect")
-_POLLS = ("poll", "ppoll", "select", "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2")
-_SLEEPS = ("nanosleep", "clock_nanosleep", "pause", "rt_sigsuspend", "rt_sigtimedwait")
-_F_SETLKW = (7, 38)  # F_SETLKW (F_SETLKW64 on 64-bit), F_OFD_SETLKW
-_FUTEX_PRIVATE = 128
 _LITTLE = sys.byteorder == "little"
 
 
@@ -228,7 +203,7 @@ class _Reader:
             return task
         task.call = SYSCALLS.get(nr, f"syscall {nr}")
         task.args = args
-        task.timed = _timed(task.call, args)
+        task.timed = timed(task.call, args)
         if not self.late():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 self._resolve(pid, task)
@@ -236,8 +211,8 @@ class _Reader:
 
     def _resolve(self, pid: int, task: TaskWait) -> None:
         call, args = task.call, task.args
-        if call in _FD_READS or call in _FD_WRITES:
-            self._fd_wait(pid, task, args[0], write=call in _FD_WRITES)
+        if call in FD_READS or call in FD_WRITES:
+            self._fd_wait(pid, task, args[0], write=call in FD_WRITES)
         elif call in ("poll", "ppoll"):
             for fd in self._poll_fds(pid, args[0], args[1]):
                 self._fd_wait(pid, task, fd, write=False)
@@ -250,14 +225,14 @@ class _Reader:
                 self._fd_wait(pid, task, int(fd), write=False)
         elif call == "futex":
             self._futex(pid, task, args[0], args[1])
-        elif call == "flock" or (call == "fcntl" and args[1] in _F_SETLKW):
+        elif call == "flock" or (call == "fcntl" and args[1] in F_SETLKW):
             self._file_lock(pid, task, args[0])
         elif call in ("wait4", "waitid"):
             self._wait_child(pid, task, args)
         elif call in ("open", "openat"):
             # open(path, flags) or openat(dirfd, path, flags): only a FIFO's open blocks
             self._fifo_open(pid, task, *(args[0:2] if call == "open" else args[1:3]))
-        elif call in _SLEEPS:
+        elif call in SLEEPS:
             self._set(task, w.Sleep())
 
     @staticmethod
@@ -419,7 +394,7 @@ class _Reader:
         return [i for i in range(len(data) * 8) if data[i // 8] >> (i % 8) & 1][:MAX_POLL_FDS]
 
     def _futex(self, pid: int, task: TaskWait, addr: int, op: int) -> None:
-        if op & _FUTEX_PRIVATE:
+        if op & FUTEX_PRIVATE:
             self._set(task, w.Futex(addr))
             others = [t for t in os.listdir(f"/proc/{pid}/task") if int(t) != task.tid]
             others = [t for t in others if int(t) not in self.skip_tids]
@@ -502,27 +477,6 @@ class _Reader:
             )
         if not wanted:
             task.waits_for.append(WaitEdge(0, 0, "no child left to wait for", w.NOBODY))
-
-
-_NO_TIMEOUT = {(1 << 64) - 1, (1 << 32) - 1}  # -1 as the kernel shows it
-
-
-def _timed(call: str, args: list[int]) -> bool:
-    """Whether a blocking call was given a timeout (it returns by itself when that runs out)."""
-    if len(args) < 5:
-        return False
-    if call == "poll":
-        return args[2] not in _NO_TIMEOUT
-    if call.startswith("epoll"):
-        return args[3] not in _NO_TIMEOUT
-    if call in ("ppoll", "futex"):
-        # futex: FUTEX_WAIT / FUTEX_WAIT_BITSET with a timespec
-        return bool(args[2 if call == "ppoll" else 3]) and (
-            call == "ppoll" or args[1] & 0x7F in (0, 9)
-        )
-    if call in ("select", "pselect6"):
-        return bool(args[4])
-    return False
 
 
 def _is_fifo(pid: int, fd: int) -> bool:

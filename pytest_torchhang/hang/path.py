@@ -18,7 +18,8 @@ from ..capture.kill import KillResult, kill_tree, remove_leftovers
 from ..capture.native import native_stacks
 from ..capture.target import CaptureTarget
 from ..diagnosis import engine
-from ..report.model import KEPT_ROLE, HangReport, ProcessReport, Role, helper_role
+from ..report.groups import helper_role
+from ..report.model import KEPT_ROLE, HangReport, ProcessReport, Role
 from .reports import Stall, as_stall, explain, failed_report
 
 __all__ = [

@@ -15,8 +15,7 @@ patched: stall detection off costs nothing.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
+import functools
 import mmap
 import os
 import struct
@@ -28,6 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from .hook import child_note
+from .imports import C10D, after_import
 
 # PROGRESS_ENV names the session's pointer to the guarded test's board (a link); set once, at
 # the first test with stall detection, and left alone until the session ends.
@@ -478,7 +478,7 @@ def _patch_collectives(module: ModuleType) -> None:
 _PATCHES: dict[str, tuple[Callable[[ModuleType], None], str]] = {
     "torch.utils.data.dataloader": (_patch_dataloader, "DataLoader batches"),
     "torch.optim.optimizer": (_patch_optimizer, "optimizer steps"),
-    "torch.distributed.distributed_c10d": (_patch_collectives, "collectives"),
+    C10D: (_patch_collectives, "collectives"),
 }
 
 
@@ -488,38 +488,6 @@ def _apply(name: str, module: ModuleType) -> None:
         patch(module)
     except Exception as exc:  # progress beats must never break an import: the report says it
         _failed(f"could not patch {name} ({type(exc).__name__}: {exc})", counted)
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, name: str) -> None:
-        self._loader = loader
-        self._name = name
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        _apply(self._name, module)
-
-
-class _PatchingFinder(importlib.abc.MetaPathFinder):
-    """Patches the modules above right after they are first imported."""
-
-    def find_spec(
-        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if name not in _PATCHES:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, name)
-                return spec
-        return None
 
 
 def install() -> bool:
@@ -535,8 +503,7 @@ def install() -> bool:
     _Board.installed = True
     os.register_at_fork(after_in_child=_after_fork)
     for name in _PATCHES:
-        module = sys.modules.get(name)
+        module = after_import(name, "beats", functools.partial(_apply, name))
         if module is not None:
             _apply(name, module)
-    sys.meta_path.insert(0, _PatchingFinder())
     return True

@@ -30,6 +30,19 @@ from .waits import LISTENING
 #: they come last, whatever their stacks. A Manager server is not among them: it is ordered by
 #: its stacks, as the test's own processes are (a server blocked serving a call is a culprit).
 HELPERS = (*(kind for kind in HELPER_KINDS if kind != MANAGER_SERVER), *ASIDE_ROLES)
+
+
+def helper_role(role: str) -> bool:
+    """Whether a role's text is a helper's (``forkserver``, ``Manager server (pid 12)``)."""
+    return role.startswith(HELPER_KINDS)
+
+
+def aside_role(role: str) -> bool:
+    """Whether a role's text is of a process shown for context (``started before this test
+    (zygote)``, ``fixture-owned worker (Pool worker)``), not one of the test's own."""
+    return role.startswith(ASIDE_ROLES)
+
+
 #: The placeholder frames of cut stacks (pytest's own, the plugin's, multiprocessing's start-up).
 STARTUP_CUT = "<multiprocessing>"
 _PLACEHOLDERS = ("<pytest>", "<pytest-torchhang>", STARTUP_CUT)
@@ -164,7 +177,7 @@ def cut_startup(frames: list[Frame]) -> list[Frame]:
 
 #: Where ``--torch-hang-hunt-stress`` wraps the user's calls (its ``stressed`` wrappers, its
 #: meeting points): frames of the plugin inside the user's stacks, not of the user's program.
-_STRESS_FILES = ("pytest_torchhang/inject/stress.py",)
+_STRESS_FILES = ("pytest_torchhang/inject/stress.py", "pytest_torchhang/inject/stress_schedule.py")
 #: The placeholder of cut stress frames: the plugin's own, rendered as pytest's are.
 STRESS_CUT = Frame("<pytest-torchhang>", 0, "... --torch-hang-hunt-stress frames cut")
 

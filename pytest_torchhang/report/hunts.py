@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import re
 
-from .model import HangReport, aside_role, helper_role
+from .groups import aside_role, helper_role
+from .model import HangReport
 
 #: What differs between machines and runs of one hang: addresses, absolute paths, pids.
 _UNSTABLE = [

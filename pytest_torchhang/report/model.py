@@ -29,17 +29,6 @@ KEPT_ROLE = "fixture-owned worker"
 ASIDE_ROLES = (CONTEXT_ROLE, KEPT_ROLE)
 
 
-def helper_role(role: str) -> bool:
-    """Whether a role's text is a helper's (``forkserver``, ``Manager server (pid 12)``)."""
-    return role.startswith(HELPER_KINDS)
-
-
-def aside_role(role: str) -> bool:
-    """Whether a role's text is of a process shown for context (``started before this test
-    (zygote)``, ``fixture-owned worker (Pool worker)``), not one of the test's own."""
-    return role.startswith(ASIDE_ROLES)
-
-
 @dataclass(frozen=True)
 class Frame:
     """One Python frame; ``line`` is the source text when the file can be read."""

@@ -51,9 +51,11 @@ def _torchhang_bootstrap() -> None:
     protocol = hook = None
     step = "load its start-up hook"
     try:
-        # first: the others import it (``from .protocol import``), so they find it loaded
+        # first: what hook.py imports (``from .protocol import``), so it finds them loaded
         protocol = _load(package_dir, "protocol")
         _load(package_dir, "stderr")
+        _load(package_dir, "snapshot")
+        _load(package_dir, "imports")
         hook = _load(package_dir, "hook")
         step = "install its stack-dump handler"
         if hook.install():  # type: ignore[attr-defined]
@@ -65,6 +67,7 @@ def _torchhang_bootstrap() -> None:
         switch = _os.environ.get(protocol.STRESS_ENV, "")  # type: ignore[attr-defined]
         if hook.stress_requested(switch):  # type: ignore[attr-defined]
             step = "start --torch-hang-hunt-stress"
+            _load(package_dir, "stress_schedule")  # what stress.py imports, loaded first
             _load(package_dir, "stress").install_from_env(fresh=True)  # type: ignore[attr-defined]
     except Exception as exc:  # never break the child's start-up: say it instead
         _note(
