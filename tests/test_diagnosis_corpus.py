@@ -277,6 +277,9 @@ LABELS: dict[str, Label] = {
     "test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock": _label(
         "nobody", "with CACHE:", "threads are not copied by fork", role="Pool worker"
     ),
+    "test_startup_executor_worker_initializer_waits_for_the_tests_lock": _label(
+        "deadlock", "fcntl.flock", "Future.result()", role="target=_process_worker"
+    ),
     "test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock": _label(
         "deadlock", "fcntl.flock", "AsyncResult.get()", role="multiprocessing child"
     ),

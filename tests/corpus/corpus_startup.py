@@ -105,6 +105,27 @@ def test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its
     subprocess.run([sys.executable, str(script)], env=env, check=True)
 
 
+def _wait_for_the_cache(path):
+    with open(path, "a") as cache:  # a worker's initializer reads the cache before any task
+        fcntl.flock(cache, fcntl.LOCK_SH)
+        fcntl.flock(cache, fcntl.LOCK_UN)
+
+
+@pytest.mark.torch_hang(timeout=6)
+def test_startup_executor_worker_initializer_waits_for_the_tests_lock(tmp_path):
+    # the executor's manager thread waits for the worker's result: it is no idle service while
+    # that worker is blocked, and the test's Future.result() waits on the worker, not "nobody"
+    import concurrent.futures as cf
+
+    lock = str(tmp_path / "cache.lock")
+    with open(lock, "w") as cache:
+        fcntl.flock(cache, fcntl.LOCK_EX)  # writing the cache while the executor starts
+        with cf.ProcessPoolExecutor(
+            1, mp_context=SPAWN, initializer=_wait_for_the_cache, initargs=(lock,)
+        ) as executor:
+            assert executor.submit(_lookup, 1).result() == 1
+
+
 # Last: its maintenance thread stays blocked in the pytest process after the kill (the
 # pipe it writes to has its read end open in that process too).
 def _init(table):

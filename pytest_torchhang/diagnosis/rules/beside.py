@@ -5,7 +5,7 @@ none of them is the one that would end the wait."""
 
 from __future__ import annotations
 
-from ...report.groups import idle_service_thread
+from ...report.groups import idle_service, idle_service_thread
 from ...report.model import Hint, ProcessReport, TaskWait
 from ...report.waits import LISTENING, THREAD, Futex, Socket
 from ..ends import render, wait_facts
@@ -32,6 +32,18 @@ def _listens(task: TaskWait) -> bool:
     return any(e.kind == LISTENING for e in task.waits_for)
 
 
+def _idle(proc: ProcessReport, task: TaskWait, procs: list[ProcessReport]) -> bool:
+    """A thread of ``proc`` that only waits for work: in a service loop's wait, and, where it
+    waits on other processes of the tree (an executor's manager thread on its workers' results),
+    only while each of those is idle too. A manager thread whose worker is blocked in its
+    initializer waits for that worker: it is the way the test's wait could still end."""
+    if not idle_service_thread(proc, task):
+        return False
+    by_pid = {p.pid: p for p in procs}
+    peers = {e.pid for e in task.waits_for if e.pid != proc.pid and e.pid in by_pid}
+    return all(idle_service(by_pid[pid]) for pid in peers)
+
+
 def hint_beside_idle_services(procs: list[ProcessReport]) -> list[Hint]:
     """The process's main thread waits on a primitive of its own process (a private futex: a
     Lock, an Event, a Condition) and its only other threads are idle services."""
@@ -46,7 +58,7 @@ def hint_beside_idle_services(procs: list[ProcessReport]) -> list[Hint]:
         if not task.waits_for or any(e.kind != THREAD or e.pid != proc.pid for e in task.waits_for):
             continue
         others = [t for t in proc.tasks if t is not task and not ignored(proc, t)]
-        if connecting or not others or not all(idle_service_thread(proc, t) for t in others):
+        if connecting or not others or not all(_idle(proc, t, procs) for t in others):
             continue
         name, frame = primitive(task_thread(proc, task))
         services = "; ".join(_service_words(proc, t) for t in others)
