@@ -87,17 +87,30 @@ def test_a_rare_deadlock_is_found_and_each_way_it_hangs_is_shown_once(
     guarded: GuardedRunner,
 ) -> None:
     guarded.pytester.makepyfile(test_races=RACES)
-    session = guarded.run(
-        "-p",
-        "no:randomly",
-        "--torch-hang-hunt=80",
-        "--torch-hang-hunt-all",
-        "--torch-hang-report-dir=reports",
+    # Two hunts at the same time, each with its own report directory: their hung runs wait out
+    # their 1 s deadline (about 8 and 15 of 80), and plain forks start in milliseconds.
+    hunt = ("-p", "no:randomly", "--torch-hang-hunt=80", "--torch-hang-hunt-all")
+    sessions = guarded.run_many(
+        {
+            "one": (
+                *hunt,
+                "--torch-hang-report-dir=reports-one",
+                "test_races.py::test_one_rare_deadlock",
+                "test_races.py::test_never_hangs",
+            ),
+            "two": (
+                *hunt,
+                "--torch-hang-report-dir=reports-two",
+                "test_races.py::test_two_rare_deadlocks",
+            ),
+        },
+        at_once=2,
         timeout=1,
         wait_s=600,
     )
-    assert "INTERNALERROR" not in session.text, session.text[-3000:]
-    summary = _summary(session.result.stdout.str())
+    for session in sessions.values():
+        assert "INTERNALERROR" not in session.text, session.text[-3000:]
+    summary = "".join(_summary(s.result.stdout.str()) for s in sessions.values())
     lines = summary.splitlines()
     one = next(line for line in lines if line.startswith("test_races.py::test_one_rare_deadlock:"))
     two = next(line for line in lines if line.startswith("test_races.py::test_two_rare_deadlocks:"))
@@ -113,17 +126,20 @@ def test_a_rare_deadlock_is_found_and_each_way_it_hangs_is_shown_once(
     assert any("fork_and_take_b" in s for s in signatures if "two_rare" in s)
     assert summary.count("first report in full:") == 3
     # JSON: one summary per hunted test, pointing at the first report of each signature
+    reports = {name: guarded.pytester.path / f"reports-{name}" for name in sessions}
     summaries = {
         json.loads(p.read_text())["test_id"]: json.loads(p.read_text())
-        for p in (guarded.pytester.path / "reports").glob("*-hunt.json")
+        for directory in reports.values()
+        for p in directory.glob("*-hunt.json")
     }
     assert summaries["test_races.py::test_never_hangs"]["hangs"] == 0
     two_rare = summaries["test_races.py::test_two_rare_deadlocks"]
     assert two_rare["runs"] == 80 and len(two_rare["signatures"]) == 2
     assert sum(s["count"] for s in two_rare["signatures"]) == two_rare["hangs"]
     for sig in two_rare["signatures"]:
-        assert sig["report"] and (guarded.pytester.path / "reports" / sig["report"]).exists()
-    session.assert_clean()
+        assert sig["report"] and (reports["two"] / sig["report"]).exists()
+    for session in sessions.values():
+        session.assert_clean()
 
 
 def test_by_default_a_hunt_stops_at_the_first_hang_and_xdist_spreads_the_runs(
