@@ -86,6 +86,7 @@ BATCHED = (
     "tests/test_diagnosis_corpus.py",
     "tests/test_hunt_races.py",
     "tests/test_interaction_matrix.py",
+    "tests/test_other_plugins.py",
     "tests/test_user_world.py",
 )
 
