@@ -33,8 +33,9 @@ def assert_in_time(text: str, due_s: float) -> None:
     assert due_s <= float(fired.group(1)) <= due_s + LATE_S, fired.group(0)
 
 
-#: Batched sessions at the same time: each is a pytest without torch that waits 1 to 4 s.
-AT_ONCE = 4
+#: Batched sessions at the same time: each is a pytest without torch that waits 1 to 4 s. Four
+#: at a time under two CPU hogs at load 9 saw fires late enough to miss a 2.5 s window.
+AT_ONCE = 2
 
 
 @pytest.fixture(scope="module")
