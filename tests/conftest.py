@@ -84,7 +84,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 BATCHED = (
     "tests/test_asyncio_hangs.py",
     "tests/test_diagnosis_corpus.py",
+    "tests/test_diagnosis_rules.py",
+    "tests/test_hunt_races.py",
     "tests/test_interaction_matrix.py",
+    "tests/test_other_plugins.py",
     "tests/test_user_world.py",
 )
 

@@ -16,6 +16,7 @@ UNPICKLABLE_BATCH = """
 import multiprocessing
 import threading
 
+import pytest
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -29,6 +30,9 @@ class LockedSamples(Dataset):
         return {"index": index, "lock": threading.Lock()}
 
 
+# a forked worker (torch is imported at collection) fails its first batch within a second,
+# on a busy machine too
+@pytest.mark.torch_hang(timeout=5)
 def test_a_batch_that_cannot_be_pickled():
     # batch_size=None: no collation, the sample goes to the queue as it is
     for _ in DataLoader(LockedSamples(), batch_size=None, num_workers=1):
@@ -39,6 +43,7 @@ def fail_before_sending(queue):
     raise RuntimeError("the child failed before it sent its result")
 
 
+@pytest.mark.torch_hang(timeout=3)  # a plain forked child: it fails in milliseconds
 def test_a_child_that_died_before_sending():
     queue = multiprocessing.get_context("fork").Queue()
     multiprocessing.get_context("fork").Process(target=fail_before_sending, args=(queue,)).start()
@@ -55,7 +60,7 @@ def test_the_report_shows_the_traceback_a_worker_printed_on_its_stderr(
 ) -> None:
     guarded.pytester.makepyfile(test_stderr=UNPICKLABLE_BATCH)
     reports = tmp_path / "reports"
-    # wide: the first batch needs the worker forked and running on a busy machine
+    # each hanging test has a marker of its own (5 s and 3 s, wide for what it waits on)
     session = guarded.run(f"--torch-hang-report-dir={reports}", timeout=10)
     assert_outcomes(session.result, hang=2, passed=1)
     text = assert_hang(

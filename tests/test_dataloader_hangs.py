@@ -171,15 +171,35 @@ def test_three_workers_of_four_deadlock():
 def test_deadlocked_workers_a_lock_held_at_fork_and_a_silent_pipe_each_get_their_hint(
     guarded: GuardedRunner,
 ) -> None:
-    # one inner session for the three scenarios: each pays pytest's and torch's start-up once
     guarded.pytester.makepyfile(
         test_loader=DEADLOCKED_WORKERS, test_fork_lock=FORK_LOCK, test_pipe=PIPE_READER
     )
-    session = guarded.run(timeout=3)
-    assert_outcomes(session.result, hang=5, passed=3)
+    # The spawn and forkserver hangs each wait their 25 s deadline (their workers import torch
+    # first); the forked scenarios take 3 s each. Three sessions, two at a time, each mostly
+    # waiting: the forked ones beside the spawn one, then the forkserver one (so the spawn and
+    # forkserver workers' torch imports do not meet): about 25 s saved a run.
+    loader = "test_loader.py::test_worker_deadlock"
+    sessions = guarded.run_many(
+        {
+            "fork": (
+                f"{loader}[fork]",
+                "test_loader.py::test_next_test_runs",
+                "test_fork_lock.py",
+                "test_pipe.py",
+            ),
+            "spawn": (f"{loader}[spawn]",),
+            "forkserver": (f"{loader}[forkserver]",),
+        },
+        at_once=2,
+        timeout=3,
+    )
+    session = sessions["fork"]
+    assert_outcomes(session.result, hang=3, passed=3)
+    for context in ("spawn", "forkserver"):
+        assert_outcomes(sessions[context].result, hang=1)
     for context in ("fork", "spawn", "forkserver"):
         report = assert_hang(
-            session,
+            sessions[context],
             f"test_worker_deadlock[{context}]",
             "HANG after * 2 stuck in DataLoader worker __getitem__",
             "*[[]DataLoader worker 0/2 (dataset SelfDeadlockingDataset)[]]*",
@@ -205,7 +225,8 @@ def test_deadlocked_workers_a_lock_held_at_fork_and_a_silent_pipe_each_get_their
         "*return os.read(READ_FD, 1)",
         "hint: 1 process(es) block reading a pipe*",
     )
-    session.assert_clean()
+    for each in sessions.values():
+        each.assert_clean()
 
 
 def test_of_four_workers_the_one_stuck_in_getitem_is_named_first_and_the_idle_three_folded(

@@ -1,8 +1,16 @@
-"""Hints driven by real hangs of their kind: OpenMP after fork, busy processes, a rank gone early."""
+"""Hints driven by real hangs of their kind: OpenMP after fork, busy processes, a rank gone early.
+
+The sessions of the last four tests mostly wait (for a deadline, for ranks or children that
+import torch): they run in one batch (``sessions``), two at a time, paired so that the spinning
+child of one never runs beside the torch imports of the 20 s rank; the OpenMP session, whose
+busy child must be seen spinning in a 0.1 s sample, runs alone.
+"""
 
 from __future__ import annotations
 
-from conftest import GuardedRunner, assert_hang
+import pytest
+
+from conftest import GuardedRunner, Session, assert_hang, batch_runner
 from outcomes import assert_outcomes
 
 OPENMP_AND_BUSY = """
@@ -82,12 +90,11 @@ def test_a_rank_returning_early_is_named_when_its_peer_fails(torch_hang):
 
 
 def test_with_gloo_a_rank_that_leaves_early_is_named_in_its_peers_error(
-    guarded: GuardedRunner,
+    sessions: dict[str, Session],
 ) -> None:
     # gloo turns "a rank left while its peers wait" into a connection error on the peers, not
     # a hang (the hang form needs nccl): the error says which rank left and how
-    guarded.pytester.makepyfile(test_rank=RANK_LEAVES)
-    session = guarded.run(timeout=30)
+    session = sessions["rank_leaves"]
     assert_outcomes(session.result, passed=1)
     session.assert_clean()
 
@@ -125,10 +132,11 @@ def test_torchrun_style_rank_leaves_while_its_peer_waits(tmp_path):
 '''
 
 
-def test_a_rank_gone_while_its_peer_waits_in_a_collective_is_named(guarded: GuardedRunner) -> None:
+def test_a_rank_gone_while_its_peer_waits_in_a_collective_is_named(
+    sessions: dict[str, Session],
+) -> None:
     # ranks launched torchrun-style (RANK/WORLD_SIZE in their environment)
-    guarded.pytester.makepyfile(test_rank_gone=RANK_GONE_HANG)
-    session = guarded.run(timeout=20)  # two fresh interpreters import torch first
+    session = sessions["rank_gone"]
     assert_outcomes(session.result, hang=1)
     assert_hang(
         session,
@@ -168,12 +176,10 @@ def test_deadline_shorter_than_a_spawned_childs_start():
 """
 
 
-def test_children_still_importing_at_the_deadline_get_their_hint(guarded: GuardedRunner) -> None:
-    guarded.pytester.makepyfile(test_starting=STILL_STARTING)
-    # The child's import never ends, so a longer deadline changes nothing but this: on a busy
-    # machine a fresh interpreter may take seconds to reach that import (with 2 s it was still in
-    # the interpreter's own start, where no Python frame shows).
-    session = guarded.run(timeout=8)
+def test_children_still_importing_at_the_deadline_get_their_hint(
+    sessions: dict[str, Session],
+) -> None:
+    session = sessions["still_starting"]
     assert_outcomes(session.result, hang=1)
     assert_hang(
         session,
@@ -204,11 +210,10 @@ def test_a_child_hangs(torch_hang):
 """
 
 
-def test_the_plugins_own_frames_are_cut_in_children(guarded: GuardedRunner) -> None:
+def test_the_plugins_own_frames_are_cut_in_children(sessions: dict[str, Session]) -> None:
     # as pytest's own frames are cut in the pytest process: the child's stack ends at the
     # user's function, not in the zygote, child.py or runpy
-    guarded.pytester.makepyfile(test_frames=PLUGIN_FRAMES)
-    session = guarded.run("-s", timeout=60)
+    session = sessions["frames"]
     assert_outcomes(session.result, passed=1)
     out = session.result.stdout.str()
     child = out[out.index("[torch_hang.run(wait_for_ever) child]") :]
@@ -219,3 +224,38 @@ def test_the_plugins_own_frames_are_cut_in_children(guarded: GuardedRunner) -> N
     assert "hint: torch_hang.run(wait_for_ever) child (pid " in out
     assert "waits in Event.wait() at test_frames.py:" in out
     session.assert_clean()
+
+
+@pytest.fixture(scope="module")
+def sessions(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Session]:
+    """The sessions of the batched tests, by name."""
+    with batch_runner(request, tmp_path_factory) as guarded:
+        guarded.pytester.makepyfile(
+            test_rank=RANK_LEAVES,
+            test_rank_gone=RANK_GONE_HANG,
+            test_starting=STILL_STARTING,
+            test_frames=PLUGIN_FRAMES,
+        )
+        # two fresh interpreters import torch first: 20 s; beside it, the zygote's child
+        sessions = guarded.run_many(
+            {
+                "rank_gone": ("test_rank_gone.py", "--torch-hang-timeout=20"),
+                "frames": ("test_frames.py", "-s", "--torch-hang-timeout=60"),
+            },
+            at_once=2,
+            timeout=None,
+        )
+        # The still-starting child's import never ends, so a longer deadline changes nothing
+        # but this: on a busy machine a fresh interpreter may take seconds to reach that import
+        # (with 2 s it was still in the interpreter's own start, where no Python frame shows).
+        sessions |= guarded.run_many(
+            {
+                "still_starting": ("test_starting.py", "--torch-hang-timeout=8"),
+                "rank_leaves": ("test_rank.py", "--torch-hang-timeout=30"),
+            },
+            at_once=2,
+            timeout=None,
+        )
+        return sessions

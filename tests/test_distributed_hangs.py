@@ -61,11 +61,25 @@ def test_next_test_runs():
 def test_gloo_ranks_in_different_collectives_are_named(guarded: GuardedRunner) -> None:
     guarded.pytester.makepyfile(test_ddp=MISMATCH)
     # Spawned ranks import torch first (3 s idle, 2-3x that on a busy machine, two at a time):
-    # the deadline covers that with a wide margin.
-    session = guarded.run(timeout=TIMEOUT_S)
-    assert_outcomes(session.result, hang=3, passed=1)
+    # the deadline covers that with a wide margin. The forked ranks' two hangs (8 s each) wait
+    # in a second session beside it: both mostly wait, and the forked ranks import nothing.
+    sessions = guarded.run_many(
+        {
+            "spawned": ("test_ddp.py::test_ranks_in_different_collectives",),
+            "forked": (
+                "test_ddp.py",
+                "--deselect",
+                "test_ddp.py::test_ranks_in_different_collectives",
+            ),
+        },
+        at_once=2,
+        timeout=TIMEOUT_S,
+    )
+    assert_outcomes(sessions["spawned"].result, hang=1)
+    session = sessions["forked"]
+    assert_outcomes(session.result, hang=2, passed=1)
     assert_hang(
-        session,
+        sessions["spawned"],
         "test_ranks_in_different_collectives",
         f"HANG after {TIMEOUT_S}.* 2 stuck in rank _rank",
         "*[[]rank 0/2 (gloo) (torch.multiprocessing.spawn)[]]*",
@@ -85,4 +99,5 @@ def test_gloo_ranks_in_different_collectives_are_named(guarded: GuardedRunner) -
         "hint: 1 rank(s) wait in barrier for a rank that is not in a collective (rank 1/2 at _late)*",
         "*time.sleep(1000)*",
     )
-    session.assert_clean()
+    for each in sessions.values():
+        each.assert_clean()

@@ -1,14 +1,20 @@
 """The plugins and tools users already run beside ours: debuggers, coverage, reruns, random order,
-xdist, and the multiprocessing start methods. Each is installed for real in the inner session."""
+xdist, and the multiprocessing start methods. Each is installed for real in the inner session.
+
+Each scenario is a short inner session (no torch; deadlines of 1 to 4 s) that mostly waits: all
+but the three that need a debugger's stdin or an environment of their own run a few at a time in
+one batch (``batch``), each in a directory of its own, and each test checks its own session.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from conftest import GuardedRunner, Session, assert_hang
+from conftest import GuardedRunner, Session, assert_hang, batch_runner
 from matrix_scenarios import LATE_S
 from outcomes import assert_outcomes
 
@@ -27,6 +33,27 @@ def assert_in_time(text: str, due_s: float) -> None:
     assert due_s <= float(fired.group(1)) <= due_s + LATE_S, fired.group(0)
 
 
+#: Batched sessions at the same time: each is a pytest without torch that waits 1 to 4 s. Four
+#: at a time under two CPU hogs at load 9 saw fires late enough to miss a 2.5 s window.
+AT_ONCE = 2
+
+
+@pytest.fixture(scope="module")
+def batch(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Session, Path]]:
+    """Each scenario of ``_scenarios`` run in its own directory: its session and that directory."""
+    with batch_runner(request, tmp_path_factory) as guarded:
+        dirs, args = {}, {}
+        for name, (files, arguments) in _scenarios().items():
+            dirs[name] = guarded.pytester.mkdir(re.sub(r"[^\w.-]+", "-", name))
+            for file, source in files.items():
+                (dirs[name] / file).write_text(source.strip() + "\n")
+            args[name] = tuple(a.format(dir=dirs[name]) for a in arguments)
+        sessions = guarded.run_many(args, at_once=AT_ONCE, dirs=dirs, timeout=None)
+        return {name: (sessions[name], dirs[name]) for name in args}
+
+
 # --- pytest-timeout --------------------------------------------------------------------------
 
 FUNC_ONLY = """
@@ -42,9 +69,10 @@ def test_the_next_one_runs():
 """
 
 
-def test_pytest_timeouts_func_only_limit_interrupts_the_call(guarded: GuardedRunner) -> None:
-    guarded.pytester.makepyfile(test_fo=FUNC_ONLY)
-    session = guarded.run("--timeout=2", "-o", "timeout_func_only=true", timeout=None)
+def test_pytest_timeouts_func_only_limit_interrupts_the_call(
+    batch: dict[str, tuple[Session, Path]],
+) -> None:
+    session, _ = batch["func-only"]
     assert_outcomes(session.result, hang=1, passed=1)
     assert_fired_in_time(session, "test_hangs_in_its_call", 2.0)
     assert "pytest included" not in session.text  # the watchdog acted, not the last resort
@@ -101,11 +129,9 @@ DEADLINE_SOURCES = {
 
 @pytest.mark.parametrize("source", list(DEADLINE_SOURCES))
 def test_a_debuggers_trace_function_holds_every_deadline_source(
-    guarded: GuardedRunner, source: str
+    batch: dict[str, tuple[Session, Path]], source: str
 ) -> None:
-    args, timeout, mark = DEADLINE_SOURCES[source]
-    guarded.pytester.makepyfile(pydevd=PYDEVD, test_dbg=AT_A_BREAKPOINT.format(mark=mark))
-    session = guarded.run(*args, timeout=timeout)
+    session, _ = batch[f"debugger-{source}"]
     assert_outcomes(session.result, passed=1, hang=1)  # the other test still hangs, and fails
     assert_fired_in_time(session, "test_hangs_without_a_debugger", 1.0)
     session.result.stdout.fnmatch_lines(
@@ -118,9 +144,8 @@ def test_a_debuggers_trace_function_holds_every_deadline_source(
     session.assert_clean()
 
 
-def test_a_debugger_holds_the_stall_time_too(guarded: GuardedRunner) -> None:
-    guarded.pytester.makepyfile(pydevd=PYDEVD, test_dbg=AT_A_BREAKPOINT.format(mark=""))
-    session = guarded.run("--torch-hang-stall=1", timeout=None)
+def test_a_debugger_holds_the_stall_time_too(batch: dict[str, tuple[Session, Path]]) -> None:
+    session, _ = batch["debugger-stall"]
     assert_outcomes(session.result, passed=1, stall=1)
     headline = session.report_of("test_hangs_without_a_debugger").splitlines()[1]
     assert headline.startswith("STALL after "), headline
@@ -131,10 +156,9 @@ def test_a_debugger_holds_the_stall_time_too(guarded: GuardedRunner) -> None:
 
 
 def test_pytest_timeouts_switch_lets_the_deadline_interrupt_a_debugger(
-    guarded: GuardedRunner,
+    batch: dict[str, tuple[Session, Path]],
 ) -> None:
-    guarded.pytester.makepyfile(pydevd=PYDEVD, test_dbg=AT_A_BREAKPOINT.format(mark=""))
-    session = guarded.run("--timeout=1", "--timeout-disable-debugger-detection", timeout=None)
+    session, _ = batch["debugger-switched-off"]
     assert_outcomes(session.result, hang=2)
     assert_fired_in_time(session, "test_sits_at_a_breakpoint", 1.0, "*in trace_dispatch*")
     assert "held the test" not in session.result.stdout.str()
@@ -172,10 +196,9 @@ def trace_dispatch(frame, event, arg):
 
 @pytest.mark.parametrize("option", ["--timeout=2", "--torch-hang-timeout=2"])
 def test_a_debugger_set_in_the_tests_body_holds_the_deadline(
-    guarded: GuardedRunner, option: str
+    batch: dict[str, tuple[Session, Path]], option: str
 ) -> None:
-    guarded.pytester.makepyfile(pydevd=PYDEVD_NO_FRAMES, test_body=SET_IN_THE_BODY)
-    session = guarded.run(option, timeout=None)
+    session, _ = batch[f"debugger-in-the-body{option}"]
     assert_outcomes(session.result, passed=1, hang=1)
     assert_fired_in_time(session, "test_hangs_without_a_debugger", 2.0)
     session.result.stdout.fnmatch_lines(
@@ -231,10 +254,9 @@ def test_the_post_mortem_debugger_holds_the_rest_of_the_test(guarded: GuardedRun
 
 @pytest.mark.parametrize("option", ["--torch-hang-timeout=1", "--timeout=1"])
 def test_without_pdb_a_failing_tests_teardown_stays_bounded(
-    guarded: GuardedRunner, option: str
+    batch: dict[str, tuple[Session, Path]], option: str
 ) -> None:
-    guarded.pytester.makepyfile(test_pm=POST_MORTEM)
-    session = guarded.run(option, timeout=None)
+    session, _ = batch[f"teardown{option}"]
     assert_outcomes(session.result, failed=1, hang=1)  # the call's failure, the teardown's hang
     teardown = session.result.stdout.str().split("HANG at teardown of test_fails", 1)
     assert len(teardown) == 2, session.result.stdout.str()[-3000:]
@@ -263,11 +285,10 @@ def test_waits_for_a_child_forever():
 
 @pytest.mark.parametrize("option", ["--torch-hang-timeout=1", "--timeout=1"])
 def test_under_coverage_a_hang_fires_and_the_coverage_report_is_written(
-    guarded: GuardedRunner, option: str
+    batch: dict[str, tuple[Session, Path]], option: str
 ) -> None:
-    guarded.pytester.makepyfile(test_cov=HANGS_IN_A_CHILD)
-    xml = guarded.pytester.path / "coverage.xml"
-    session = guarded.run("--cov=.", f"--cov-report=xml:{xml}", option, timeout=None)
+    session, directory = batch[f"coverage{option}"]
+    xml = directory / "coverage.xml"
     assert_outcomes(session.result, passed=1, hang=1)
     assert_fired_in_time(
         session, "test_waits_for_a_child_forever", 1.0, "cleanup: killed 1 process*"
@@ -296,19 +317,16 @@ def test_hangs():
     ids=["torch-hang-timeout", "pytest-timeout func_only"],
 )
 def test_each_rerun_of_a_hanging_test_is_bounded_and_reported(
-    guarded: GuardedRunner, options: tuple[str, ...]
+    batch: dict[str, tuple[Session, Path]], options: tuple[str, ...]
 ) -> None:
-    guarded.pytester.makepyfile(test_rr=HANGS_EACH_ATTEMPT)
-    reports = guarded.pytester.path / "hangs"
-    session = guarded.run(
-        "--reruns", "1", f"--torch-hang-report-dir={reports}", *options, timeout=None
-    )
+    session, directory = batch[f"reruns{' '.join(options)}"]
+    reports = directory / "hangs"
     assert session.result.parseoutcomes() == {"hang": 1, "rerun": 1}
     assert_fired_in_time(session, "test_hangs", 2.0)
     session.result.stdout.fnmatch_lines(
         ["*torch-hang summary*", "attempt 1, run again: HANG after *", "HANG after *"]
     )
-    attempts = (guarded.pytester.path / "attempts.txt").read_text().split()
+    attempts = (directory / "attempts.txt").read_text().split()
     hangs = sorted((json.loads(p.read_text()) for p in reports.glob("*.json")), key=_created)
     assert len(attempts) == len(hangs) == 2, (attempts, hangs)
     for started, hang in zip(map(float, attempts), hangs, strict=True):
@@ -358,13 +376,10 @@ def test_random_order_and_seeds_change_nothing_about_the_guard(
 
 
 def test_under_xdist_with_reruns_and_coverage_each_attempt_is_bounded(
-    guarded: GuardedRunner,
+    batch: dict[str, tuple[Session, Path]],
 ) -> None:
-    guarded.pytester.makepyfile(test_x=HANGS_IN_A_CHILD)
-    xml = guarded.pytester.path / "coverage.xml"
-    session = guarded.run(
-        "-n", "2", "--reruns", "1", "--cov=.", f"--cov-report=xml:{xml}", timeout=1
-    )
+    session, directory = batch["xdist-reruns-coverage"]
+    xml = directory / "coverage.xml"
     assert session.result.parseoutcomes() == {"passed": 1, "hang": 1, "rerun": 1}
     assert_fired_in_time(session, "test_waits_for_a_child_forever", 1.0)
     assert xml.is_file()
@@ -411,11 +426,9 @@ def test_the_start_method_still_serves():
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_the_workers_a_start_method_makes_for_a_hung_test_are_the_tests(
-    guarded: GuardedRunner, method: str
+    batch: dict[str, tuple[Session, Path]], method: str
 ) -> None:
-    guarded.pytester.makeconftest(START_METHOD_CONFTEST.format(method=method))
-    guarded.pytester.makepyfile(test_sm=START_METHOD_TESTS)
-    session = guarded.run("-p", "no:randomly", timeout=4)
+    session, _ = batch[f"start-method-{method}"]
     assert_outcomes(session.result, passed=2, hang=1)
     report = assert_fired_in_time(session, "test_workers_hang", 4.0)
     # identical workers are shown once, the others named below the block
@@ -430,3 +443,62 @@ def test_the_workers_a_start_method_makes_for_a_hung_test_are_the_tests(
         forkserver = re.search(r"^--- process (\d+) \[forkserver\]", report, re.M)
         assert forkserver and forkserver.group(1) not in killed.group(1).split(", "), report
     session.assert_clean()
+
+
+def _scenarios() -> dict[str, tuple[dict[str, str], tuple[str, ...]]]:
+    """The batched sessions: name -> (files written in its directory, its pytest arguments;
+    ``{dir}`` is that directory)."""
+    scenarios: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+        "func-only": (
+            {"test_fo.py": FUNC_ONLY},
+            ("--timeout=2", "-o", "timeout_func_only=true"),
+        ),
+        "debugger-stall": (
+            {"pydevd.py": PYDEVD, "test_dbg.py": AT_A_BREAKPOINT.format(mark="")},
+            ("--torch-hang-stall=1",),
+        ),
+        "debugger-switched-off": (
+            {"pydevd.py": PYDEVD, "test_dbg.py": AT_A_BREAKPOINT.format(mark="")},
+            ("--timeout=1", "--timeout-disable-debugger-detection"),
+        ),
+        "xdist-reruns-coverage": (
+            {"test_x.py": HANGS_IN_A_CHILD},
+            (
+                "-n",
+                "2",
+                "--reruns",
+                "1",
+                "--cov=.",
+                "--cov-report=xml:{dir}/coverage.xml",
+                "--torch-hang-timeout=1",
+            ),
+        ),
+    }
+    for source, (args, timeout, mark) in DEADLINE_SOURCES.items():
+        ours = (f"--torch-hang-timeout={timeout}",) if timeout is not None else ()
+        files = {"pydevd.py": PYDEVD, "test_dbg.py": AT_A_BREAKPOINT.format(mark=mark)}
+        scenarios[f"debugger-{source}"] = (files, (*args, *ours))
+    for option in ("--timeout=2", "--torch-hang-timeout=2"):
+        files = {"pydevd.py": PYDEVD_NO_FRAMES, "test_body.py": SET_IN_THE_BODY}
+        scenarios[f"debugger-in-the-body{option}"] = (files, (option,))
+    for option in ("--torch-hang-timeout=1", "--timeout=1"):
+        scenarios[f"teardown{option}"] = ({"test_pm.py": POST_MORTEM}, (option,))
+        scenarios[f"coverage{option}"] = (
+            {"test_cov.py": HANGS_IN_A_CHILD},
+            ("--cov=.", "--cov-report=xml:{dir}/coverage.xml", option),
+        )
+    for options in (("--torch-hang-timeout=2",), ("--timeout=2", "-o", "timeout_func_only=true")):
+        scenarios[f"reruns{' '.join(options)}"] = (
+            {"test_rr.py": HANGS_EACH_ATTEMPT},
+            ("--reruns", "1", "--torch-hang-report-dir={dir}/hangs", *options),
+        )
+    for method in ("forkserver", "spawn"):
+        files = {
+            "conftest.py": START_METHOD_CONFTEST.format(method=method),
+            "test_sm.py": START_METHOD_TESTS,
+        }
+        scenarios[f"start-method-{method}"] = (
+            files,
+            ("-p", "no:randomly", "--torch-hang-timeout=4"),
+        )
+    return scenarios

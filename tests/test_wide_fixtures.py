@@ -238,8 +238,10 @@ def test_persistent_dataloader_workers_started_in_a_hung_test_stay_the_loaders(
 ) -> None:
     guarded.pytester.makepyfile(test_persistent=PERSISTENT_WORKERS)
     reports = tmp_path / "reports"
-    # wide: the first epoch forks two workers on a busy machine before the hang begins
-    session = guarded.run("-p", "no:randomly", f"--torch-hang-report-dir={reports}", timeout=15)
+    # the first epoch forks two workers (torch is imported at collection: they start in
+    # milliseconds) before the hang begins; 5 s is wide on a busy machine too, and the hung
+    # test waits all of it
+    session = guarded.run("-p", "no:randomly", f"--torch-hang-report-dir={reports}", timeout=5)
     assert_outcomes(session.result, passed=1, hang=1)
     report = assert_hang(
         session,
