@@ -472,9 +472,8 @@ class Watchdog:
             return None
 
     def _busy(self) -> None:
-        """Tell the monitor this thread goes on to act (until its next beat): on a loaded
-        machine its cold path's import and a fire's first steps take seconds, which the monitor
-        then allows (``monitor.process.BUSY_GRACE_S``) instead of ending the session."""
+        """Tell the monitor this thread goes on to act (until its next beat): a loaded machine's
+        import of the cold path takes seconds, which it allows (``BUSY_GRACE_S``)."""
         self._monitor.board.beat(clock.monotonic(), self._native_id, busy=True)
 
     def _sleep(self, wake: float) -> None:
@@ -534,7 +533,6 @@ class Watchdog:
             from .hang import path  # noqa: F401  (the cold path: see PRELOAD_S)
         except Exception as exc:  # the fire imports it again, and reports what fails then
             self._errors.append(f"pytest-torchhang could not load its capture: {exc!r}")
-            self._preloaded = True  # no retry loop
 
     def _held_for_debugger(self, held: TestDeadline) -> bool:
         """A debugger holds the test as its deadline comes (pytest-timeout's rule): nothing is
