@@ -7,6 +7,7 @@ import os
 import re
 from collections import Counter
 
+from ..inject.protocol import PLUGIN_THREAD_NAMES, THREAD_PREFIX
 from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack, WaitEdge
 from ..report.waits import ChildExit
 from .frames import is_library, located, main_thread, primitive
@@ -44,6 +45,10 @@ def ignored(proc: ProcessReport, task: TaskWait) -> bool:
     from before the test that are not running (an earlier test's leftovers: they cannot know the
     pipes and locks this test created)."""
     thread = task_thread(proc, task)
+    if task.name.startswith(THREAD_PREFIX) or (
+        thread is not None and thread.name.startswith(PLUGIN_THREAD_NAMES)
+    ):
+        return True  # named by the plugin (its capture's helpers run psutil or stdlib code)
     if thread is not None and any(_PLUGIN in f.filename for f in thread.frames[:3]):
         return True
     if not task.before_test:

@@ -77,3 +77,30 @@ def test_only_the_thread_that_runs_the_watchdog_is_labelled_the_watchdog() -> No
     )  # fmt: skip
     label_roles([proc], 10, {}, "pytest")
     assert proc.thread_roles == {"0x2": "torch-hang watchdog"}
+
+
+def test_the_plugins_named_helper_threads_are_ignored_by_the_rules_whatever_code_they_run() -> None:
+    # a capture's bounded-call thread runs psutil: its top frames are not the plugin's, and a
+    # running thread of the pytest process made "nothing in it is working on an answer" false
+    from pytest_torchhang.diagnosis.graph import ignored
+    from pytest_torchhang.report.model import TaskWait
+
+    psutil = [
+        Frame("/site/psutil/_pslinux.py", 1700, "_parse_stat_file"),
+        Frame("/site/psutil/_common.py", 480, "wrapper"),
+        Frame("/site/psutil/_pslinux.py", 1800, "cpu_times"),
+        Frame("/site/pytest_torchhang/capture/procfs.py", 350, "run"),
+    ]
+    helper = ThreadStack("0x5", name="torchhang-bounded-call", frames=[*psutil, *BOOTSTRAP])
+    user = ThreadStack("0x6", name="Thread-1", frames=[*psutil[:3], *BOOTSTRAP])
+    tasks = [
+        TaskWait(11, name="torchhang-bound", state="R", call="running", python_thread="0x5"),
+        TaskWait(12, name="python", state="R", call="running", python_thread="0x6"),
+        TaskWait(13, name="torchhang-proc-", state="S", call="futex"),  # no Python stack read
+    ]
+    proc = ProcessReport(
+        pid=10, ppid=1, role="pytest", cmdline="pytest", state="sleeping", cpu_s=0.4,
+        cpu_delta_s=0.0, rss_bytes=0, num_threads=3, age_s=5.0, dump_status="ok",
+        threads=[helper, user], tasks=tasks,
+    )  # fmt: skip
+    assert [ignored(proc, task) for task in tasks] == [True, False, True]
