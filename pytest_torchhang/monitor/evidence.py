@@ -38,6 +38,9 @@ TRACE_STOPPED = "t"
 #: it switches at least this often; a thread in a timed wait of its own switches at most once.
 GIL_SAMPLE_S = 0.3
 GIL_WAIT_SWITCHES = 10
+#: ... and hardly runs meanwhile (each wake costs microseconds), where a thread at work on the
+#: GIL's other side (importing the cold path beside a busy test) switches as often but runs.
+GIL_WAIT_CPU_S = 0.015
 #: While it interrupts a fired test, the watchdog runs every second: a heartbeat this recent
 #: says it runs (the GIL is free).
 BEAT_FRESH_S = 3.0
@@ -59,6 +62,31 @@ def is_stopped(state: str, before: str) -> bool:
     """Whether a process whose state is ``state`` (and was ``before``, a look earlier) is
     stopped: by job control, or by a tracer for longer than an instant."""
     return state == JOB_STOPPED or state == before == TRACE_STOPPED
+
+
+def cpu_of(pid: int, tid: int) -> float | None:
+    """Seconds thread ``tid`` ran on a CPU so far (``schedstat``, in ns); None when unknown."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+            return int(f.read(256).split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def sample_gil(pid: int, tid: int) -> tuple[int | None, float | None]:
+    """(context switches, seconds on a CPU) of thread ``tid`` over ``GIL_SAMPLE_S``."""
+    first, first_cpu = switches_of(pid, tid), cpu_of(pid, tid)
+    clock.sleep(GIL_SAMPLE_S)
+    last, last_cpu = switches_of(pid, tid), cpu_of(pid, tid)
+    switches = last - first if first is not None and last is not None else None
+    cpu = last_cpu - first_cpu if first_cpu is not None and last_cpu is not None else None
+    return switches, cpu
+
+
+def waits_for_gil(switches: int | None, cpu_s: float | None) -> bool:
+    """Whether a sample shows a thread asking for the GIL and never getting it."""
+    asks = switches is not None and switches >= GIL_WAIT_SWITCHES
+    return asks and (cpu_s is None or cpu_s < GIL_WAIT_CPU_S)
 
 
 def switches_of(pid: int, tid: int) -> int | None:
@@ -95,6 +123,7 @@ class Evidence:
     watchdog_tid: int = 0
     watchdog_state: str = ""  # its /proc state letter ('' gone or unknown)
     watchdog_switches: int | None = None  # in GIL_SAMPLE_S (None: not read)
+    watchdog_cpu_s: float | None = None  # its time on a CPU in GIL_SAMPLE_S (None: not read)
     main_state: str = ""
     busy_s: float = 0.0  # how long the watchdog has been acting without beating (0: it is not)
 
@@ -102,7 +131,7 @@ class Evidence:
     def why(self) -> Why:
         if self.fired and self.beat_age_s is not None and self.beat_age_s <= BEAT_FRESH_S:
             return Why.UNINTERRUPTIBLE
-        if self.watchdog_switches is not None and self.watchdog_switches >= GIL_WAIT_SWITCHES:
+        if waits_for_gil(self.watchdog_switches, self.watchdog_cpu_s):
             return Why.GIL_HELD  # sampled only where the other evidence left it open
         if not self.fired and self.busy_s > 0:
             return Why.WATCHDOG_BUSY
@@ -131,11 +160,8 @@ def gather(
         fired, max(0.0, now - at), at >= deadline, tid, main_state=main_state, busy_s=busy
     )
     if seen.why in (Why.UNKNOWN, Why.WATCHDOG_BUSY):  # is the GIL in question: sample switches
-        first = switches_of(pytest_pid, tid)
-        clock.sleep(GIL_SAMPLE_S)
-        last = switches_of(pytest_pid, tid)
-        if first is not None and last is not None:
-            seen = replace(seen, watchdog_switches=last - first)
+        switches, cpu = sample_gil(pytest_pid, tid)
+        seen = replace(seen, watchdog_switches=switches, watchdog_cpu_s=cpu)
     return replace(seen, watchdog_state=state_of(pytest_pid, tid))
 
 
@@ -169,7 +195,10 @@ def own_thread_note(report: HangReport, pid: int, tid: int) -> str | None:
             named = "watchdog" in (proc.thread_roles.get(thread.ident) or thread.name)
             if (thread.tid == tid) if (thread.tid and tid) else named:
                 lines = [
-                    f'  File "{f.filename}", line {f.lineno}, in {f.name}' for f in thread.frames
+                    f"  {f.name}"
+                    if f.filename.startswith("<") and f.lineno == 0  # a cut's marker
+                    else f'  File "{f.filename}", line {f.lineno}, in {f.name}'
+                    for f in thread.frames
                 ]
                 where = "\n".join(lines) or "  <no Python frame>"
                 return f"pytest-torchhang's watchdog thread (most recent call first):\n{where}"

@@ -125,6 +125,7 @@ def main(argv: list[str]) -> int:
     earliest = clock.monotonic() + GIL_GRACE_S
     stops = _Stops(pytest_pid, board)
     counting: tuple[int, float] = (-1, 0.0)  # (generation, since when the monitor counts it)
+    gil_looked = -float("inf")  # when the monitor last sampled a busy watchdog for the GIL
     while True:
         current = board.read()
         if current is None or (fired is not None and fired[0] != current[0]):
@@ -140,8 +141,17 @@ def main(argv: list[str]) -> int:
             since = fired[1] if fired is not None else counting[1]
             due = fired[1] + HARD_GRACE_S if fired is not None else current[1] + GIL_GRACE_S
             busy = board.busy_since() if fired is None else 0.0
-            if busy:  # the watchdog runs, and is at work on it
-                due = max(due, busy + BUSY_GRACE_S)
+            if busy:
+                # at work on it, the watchdog gets longer, unless it is shown waiting for the
+                # GIL (sampled once its plain grace is over, at most once a second)
+                held = False
+                if now >= due and now - gil_looked >= 1.0:
+                    gil_looked, beat = now, board.last_beat()
+                    held = beat is not None and evidence.waits_for_gil(
+                        *evidence.sample_gil(pytest_pid, beat[0])
+                    )
+                if not held:
+                    due = max(due, busy + BUSY_GRACE_S)
             # a stopped pytest is paused, not hung: its deadline moves on by the stop
             due = max(due + board.stopped_between(since, now), earliest)
         if current is not None and due is not None and now >= due and not stops.stopped:

@@ -57,6 +57,13 @@ FRESH, STALE = 0.8, 10.0
         (Evidence(False, STALE, busy_s=21.0), Why.WATCHDOG_BUSY),
         (Evidence(False, FRESH, ran_since_deadline=True, busy_s=21.0), Why.WATCHDOG_BUSY),
         (Evidence(False, STALE, watchdog_switches=60, busy_s=21.0), Why.GIL_HELD),
+        # it switches as often, but runs: it shares the GIL (an import beside a busy test)
+        (Evidence(False, STALE, watchdog_switches=60, watchdog_cpu_s=0.12), Why.UNKNOWN),
+        (
+            Evidence(False, STALE, watchdog_switches=60, watchdog_cpu_s=0.12, busy_s=21.0),
+            Why.WATCHDOG_BUSY,
+        ),
+        (Evidence(False, STALE, watchdog_switches=60, watchdog_cpu_s=0.002), Why.GIL_HELD),
         (Evidence(True, STALE, busy_s=21.0), Why.UNKNOWN),  # fired: busy no longer counts
     ],
 )
@@ -132,6 +139,44 @@ def test_a_thread_waiting_for_the_gil_is_seen_asking_for_it() -> None:
         clock.sleep(0.3)  # its next sleep ends: from then on it waits for the GIL
         seen = evidence.gather(proc.pid, False, clock.monotonic(), (tid, 0.0))
         assert seen.why is Why.GIL_HELD, seen
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+#: Two Python threads that both compute: each asks for the GIL every switch interval, and gets
+#: it half of the time (the watchdog importing its cold path beside a busy test).
+GIL_SHARED = """
+import sys, threading
+
+ids = []
+ready = threading.Event()
+
+
+def computes():
+    ids.append(threading.get_native_id())
+    ready.set()
+    while True:
+        sum(range(1000))
+
+
+threading.Thread(target=computes, daemon=True).start()
+ready.wait()
+print(ids[0], flush=True)
+while True:
+    sum(range(1000))
+"""
+
+
+def test_a_thread_that_shares_the_gil_and_runs_is_not_taken_for_a_gil_waiter() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", GIL_SHARED], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        tid = int(proc.stdout.readline())
+        switches, cpu = evidence.sample_gil(proc.pid, tid)
+        assert switches is not None and switches >= evidence.GIL_WAIT_SWITCHES, switches
+        assert cpu is not None and cpu >= evidence.GIL_WAIT_CPU_S, cpu
+        assert not evidence.waits_for_gil(switches, cpu)
     finally:
         proc.kill()
         proc.wait()
