@@ -188,6 +188,42 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
             raise exc
 
 
+class _ForkGate:
+    """Keeps the process's own forks out of a helper's start.
+
+    ``subprocess.Popen`` learns that its child exec'd when a pipe (close-on-exec) reaches end of
+    file in the child; a fork by another thread of this process meanwhile (a DataLoader's
+    worker, a test's ``multiprocessing`` child) copies that pipe's write end, and the start then
+    waits until that fork exits or execs: for ever, for a child that hangs. Seen: the monitor's
+    start blocked so behind a test's sleeping child, and the watchdog behind it. Forks through
+    ``os.fork`` wait for a start in progress (its exec: milliseconds), at most ``WAIT_S``.
+    """
+
+    lock: ClassVar[threading.RLock] = threading.RLock()  # a fork in the launcher: re-entered
+    held: ClassVar[threading.local] = threading.local()
+    registered: ClassVar[bool] = False
+    WAIT_S: ClassVar[float] = 10.0
+
+    @classmethod
+    def register(cls) -> None:
+        if not cls.registered and hasattr(os, "register_at_fork"):
+            cls.registered = True
+            os.register_at_fork(
+                before=cls.before, after_in_parent=cls.after, after_in_child=cls.after
+            )
+
+    @classmethod
+    def before(cls) -> None:
+        cls.held.got = [*getattr(cls.held, "got", []), cls.lock.acquire(timeout=cls.WAIT_S)]
+
+    @classmethod
+    def after(cls) -> None:
+        got = getattr(cls.held, "got", [])
+        if got and got.pop():
+            with contextlib.suppress(RuntimeError):  # a child whose lock was not copied held
+                cls.lock.release()
+
+
 class _Launcher:
     """One thread that starts the plugin's helper processes (the zygote, the monitor).
 
@@ -210,7 +246,8 @@ class _Launcher:
                     cls.ready.wait()
                 fn, box, done = cls.work.pop(0)
             try:
-                box.append((True, fn()))
+                with _ForkGate.lock:  # no fork of this process copies the start's pipe
+                    box.append((True, fn()))
             except BaseException as exc:  # handed to the caller, raised there
                 box.append((False, exc))
             done.set()
@@ -255,6 +292,7 @@ def launch_soon(fn: Callable[[], T]) -> Callable[[float], T]:
 def _submit(fn: Callable[[], Any]) -> tuple[list[Any], threading.Event]:
     box: list[Any] = []
     done = threading.Event()
+    _ForkGate.register()
     with _Launcher.ready:
         if _Launcher.thread is None or not _Launcher.thread.is_alive():
             _Launcher.thread = threading.Thread(
