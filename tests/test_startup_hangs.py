@@ -22,6 +22,7 @@ LOADER = "test_startup_spawned_loader_worker_imports_a_module_that_waits_for_the
 SPAWN_POOL = "test_startup_pool_replaces_a_worker_that_waits_for_the_tests_lock"
 FORK_POOL = "test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock"
 SCRIPT = "test_startup_spawned_child_of_a_script_runs_its_top_level_that_waits_for_its_lock"
+EXECUTOR = "test_startup_executor_worker_initializer_waits_for_the_tests_lock"
 #: The frames of a spawned child blocked at the import of the test module, innermost first.
 REIMPORT_FRAMES = [
     '*File "*test_startup.py", line *, in <module>',
@@ -54,7 +55,7 @@ def test_blocked_start_ups_show_their_start_up_frames_and_are_not_called_startin
     guarded.pytester.makepyfile(test_startup=SCENARIOS)
     # each scenario sets its own deadline (a spawned DataLoader worker imports torch first)
     session = guarded.run(timeout=3, wait_s=300)
-    assert_outcomes(session.result, hang=4)
+    assert_outcomes(session.result, hang=5)
 
     # (a) the spawned DataLoader worker, blocked importing the test module on the test's lock
     report = assert_hang(
@@ -126,4 +127,18 @@ def test_blocked_start_ups_show_their_start_up_frames_and_are_not_called_startin
     )
     _assert_not_starting(report)
     assert "multiprocessing's start-up frames cut" not in report
+
+    # (d) a spawned executor worker whose initializer waits for the test's lock: the worker is
+    # the one stuck, the test's Future.result() waits on it (its manager thread is no idle
+    # service while the worker is blocked), and the first hint says so
+    report = assert_hang(
+        session,
+        EXECUTOR,
+        "HANG after *: * processes, 1 stuck in * _wait_for_the_cache",
+        '*File "*test_startup.py", line *, in _wait_for_the_cache',
+        '*File "*concurrent/futures/process.py", line *, in _process_worker',
+    )
+    first_hint = next(line for line in report.splitlines() if line.startswith("hint: "))
+    assert first_hint.startswith("hint: deadlock:") and "Future.result()" in first_hint, report
+    _assert_not_starting(report)
     session.assert_clean()
