@@ -15,7 +15,7 @@ from .graph import main_task
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
 from .rules.aio import hint_asyncio
 from .rules.beside import hint_beside_idle_services
-from .rules.distributed import hint_collectives, hint_rank_gone, hint_store_keys
+from .rules.distributed import hint_collectives, hint_rank_gone
 from .rules.enders import add_signal_enders
 from .rules.loading import (
     hint_cuda_before_fork,
@@ -23,19 +23,18 @@ from .rules.loading import (
     hint_unpicklable_batch,
     hint_worker_lock,
 )
+from .rules.pipes import hint_fifo, hint_full_pipe, hint_pipe
 from .rules.polling import hint_polling
 from .rules.sharing import (
     hint_end_marker,
-    hint_fifo,
-    hint_full_pipe,
     hint_join_cycle,
-    hint_leaked_slots,
     hint_manager,
-    hint_pipe,
     hint_pool_lost,
     hint_queue_join,
 )
+from .rules.slots import hint_leaked_slots
 from .rules.starting import hint_import_lock_at_fork, hint_still_starting
+from .rules.stores import hint_store_keys
 from .rules.waits import (
     hint_busy,
     hint_dead,

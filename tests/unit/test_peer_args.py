@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 import pytest
 
 from pytest_torchhang.diagnosis.peers import PeerDifference, differences, lone_root
-from pytest_torchhang.diagnosis.rules.distributed import p2p_arguments, with_peer_difference
+from pytest_torchhang.diagnosis.rules.distributed import with_peer_difference
+from pytest_torchhang.diagnosis.rules.p2p import p2p_arguments
 from pytest_torchhang.inject.peerargs import (
     MAX_CHARS,
     MAX_ITEMS,
