@@ -13,6 +13,7 @@ from ..frames import (
     frame_collective,
     has_frame,
     in_backward,
+    in_file,
     innermost,
     is_library,
     last_completed,
@@ -120,6 +121,8 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
             "the same collective with different arguments: every rank must pass the same root "
             "(src/dst), group and tensor sizes." + detail
         )
+    elif _whole_world(ranks) and all(_making_group(p) for p in ranks):
+        text = _group_made_by_all(ranks) + detail
     elif waiting and len(waiting) < len(ranks):
         if all(p.busy for p in ranks if not where[rank_no(p)]):
             return []  # the others compute, on their way to it or in a loop: the busy rule says
@@ -370,11 +373,91 @@ def _missing_rank(
                 based.append(f"rank {rank_no(proc)} (pid {proc.pid}) blocked in {task.summary()}")
                 break
     waiting = [c for c in where.values() if c and c not in RENDEZVOUS]
+    making = [p for p in ranks if not where[rank_no(p)] and _making_group(p)]
+    if making and len(making) + len(waiting) == len(ranks):
+        return _group_made_by_some(making, ranks, where) + (
+            f" {'; '.join(cycles)}." if cycles else ""
+        )
     return (
         f"{len(waiting)} rank(s) wait in {_collective_words(waiting[0])} for a rank that is not "
         f"in a collective ({', '.join(missing)}): that rank skipped the call or is stuck before it."
         + (f" {'; '.join(cycles)}." if cycles else "")
     )
+
+
+#: torch.distributed calls that create a process group: every rank of the default group must
+#: enter each of them, in the same order, members of the new group or not.
+GROUP_MAKERS = frozenset(["new_group", "new_subgroups", "new_subgroups_by_enumeration"])
+
+
+def _making_group(proc: ProcessReport) -> str | None:
+    """The group-creating call of torch.distributed the rank's main thread is in."""
+    frame = innermost(
+        proc,
+        lambda f: in_file(f, "torch/distributed/distributed_c10d.py") and f.name in GROUP_MAKERS,
+    )
+    return frame.name if frame else None
+
+
+def _group_made_by_some(
+    making: list[ProcessReport], ranks: list[ProcessReport], where: dict[str, str | None]
+) -> str:
+    """Some ranks create a process group while the others are already in a collective: they
+    did not enter the same group creation (one created a group the others did not)."""
+    in_group = ", ".join(
+        f"rank {rank_no(p)} in {_making_group(p)}() at {_user_line(p)}" for p in making
+    )
+    elsewhere = ", ".join(
+        f"rank {rank_no(p)} in {_collective_words(where[rank_no(p)])}"
+        for p in ranks
+        if where[rank_no(p)]
+    )
+    return (
+        f"ranks are in different calls: {in_group} waits for the other ranks to create the "
+        f"same process group, while {elsewhere} is not in it. new_group() must be called "
+        "by every rank of the default group, in the same order, even by ranks that are not "
+        "members of the new group: ranks match groups by how many each created before. Look "
+        "for a new_group() called on some ranks only (inside a rank-dependent branch) or in a "
+        "different order on each rank."
+    )
+
+
+def _whole_world(ranks: list[ProcessReport]) -> bool:
+    """Every rank of the world is in the report (none missing that could be the one awaited)."""
+    sizes = {world_size(p) for p in ranks}
+    return len(ranks) > 1 and len(sizes) == 1 and sizes == {len(ranks)}
+
+
+def _group_made_by_all(ranks: list[ProcessReport]) -> str:
+    """Every rank waits in a group-creating call that does not complete: the ranks do not
+    agree on which group it is; the groups each rank ran collectives on, as the flight
+    recorders say."""
+    calls = ", ".join(f"rank {rank_no(p)} at {_user_line(p)}" for p in ranks)
+    used = {rank_no(p): sorted({c.group for c in p.collectives if c.group}) for p in ranks}
+    differ = ""
+    if len({tuple(g) for g in used.values()}) > 1:
+        differ = (
+            " Their flight recorders differ in the groups they ran collectives on: "
+            + "; ".join(
+                f"rank {r} on {len(g)} group{'s' if len(g) != 1 else ''} ({', '.join(g)})"
+                for r, g in used.items()
+            )
+            + "."
+        )
+    return (
+        f"every rank waits in {_making_group(ranks[0])}() ({calls}), and the group is never "
+        "made: a sign that the ranks do not agree on which group it is. new_group() must be "
+        "called by every rank of the default group, in the same order, even by ranks that are "
+        f"not members of the new group: ranks match groups by how many each created before.{differ}"
+        " Look for a new_group() called on some ranks only (inside a rank-dependent branch) or "
+        "in a different order on each rank."
+    )
+
+
+def _user_line(proc: ProcessReport) -> str:
+    """``x.py:46``: the user's frame the rank waits from."""
+    frame = _user_frame(proc)
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame else "its frame"
 
 
 def _waits_on_helper(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> str:

@@ -210,9 +210,36 @@ def _queue_get(proc: ProcessReport, task: TaskWait) -> Frame | None:
     return frame
 
 
+def _waits_only_for(writer: ProcessReport, consumer: ProcessReport) -> bool:
+    """The writer's main thread is blocked on what only ``consumer`` can send (a pipe whose
+    other writers are the writer's own copies: a DataLoader waiting for this worker's batch)."""
+    task = main_task(writer)
+    if task is None or wait_kind(writer, task) != "blocked":
+        return False
+    others = {e.pid for e in task.waits_for} - {writer.pid}
+    return others == {consumer.pid}
+
+
+def _cannot_put(writer: ProcessReport, consumer: ProcessReport) -> bool:
+    """A holder of the queue's write end that will not put while the consumer waits: it joins
+    a child, waits in a get() of its own, or waits for this very consumer."""
+    task = main_task(writer)
+    return task is not None and (
+        joins(writer, task)
+        or _queue_get(writer, task) is not None
+        or _waits_only_for(writer, consumer)
+    )
+
+
+def _for_consumer(writer: ProcessReport, consumer: ProcessReport) -> str:
+    """``, for DataLoader worker 0/1 (pid 7) itself`` when the writer waits for the consumer."""
+    return f", for {who(consumer)} itself" if _waits_only_for(writer, consumer) else ""
+
+
 def hint_end_marker(procs: list[ProcessReport]) -> list[Hint]:
     """A consumer that stops on an end marker waits on an empty Queue whose every writer waits
-    (for a child's exit, or in get() itself): the marker it needs will never be put."""
+    (for a child's exit, in get() itself, or for this consumer): the marker it needs will never
+    be put."""
     by_pid = {p.pid: p for p in procs}
     hints = []
     for proc in procs:
@@ -228,22 +255,27 @@ def hint_end_marker(procs: list[ProcessReport]) -> list[Hint]:
             continue
         idle = [by_pid[w] for w in sorted(writers)]
         if (
-            not all(
-                (t := main_task(w)) is not None and (joins(w, t) or _queue_get(w, t) is not None)
-                for w in idle
-            )
+            not all(_cannot_put(w, proc) for w in idle)
             or any(_sends_later(w) for w in idle)
             or not all(map(_only_waits, [proc, *idle]))
         ):
             continue  # a writer that may still put (later in its code, or on another thread)
         number, text = marker
+        gone = [p for p in procs if p.exit_status and p.ppid in {proc.ppid, *writers}]
         hints.append(
             Hint(
                 f"{who(proc)} waits in Queue.get(){located(frame)} for the end-of-stream marker "
                 f"that ends its loop (line {number}: `{code(text)}`), and the queue is empty (its "
                 "reader is blocked reading the queue's pipe). No live process will put it: the "
                 "queue's write end is held by "
-                + "; ".join(f"{who(w)}, which {doing(w)}" for w in idle)
+                + "; ".join(f"{who(w)}, which {doing(w)}{_for_consumer(w, proc)}" for w in idle)
+                + (
+                    ". Exited before the deadline: "
+                    + ", ".join(f"{who(p)}, which {p.exit_status}" for p in gone)
+                    + " (a producer that put its items and ended, a consumer that took a marker)"
+                    if gone
+                    else ""
+                )
                 + ". Each end marker stops one consumer: put one marker per consumer (a "
                 "producer that puts one for several leaves all but one waiting), or stop the "
                 "consumers another way (a timeout, an Event).",

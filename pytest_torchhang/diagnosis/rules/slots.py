@@ -19,6 +19,7 @@ from ..frames import (
     located,
 )
 from ..graph import (
+    acquire_held,
     blocked_line,
     code,
     doing,
@@ -72,18 +73,28 @@ def _threading_semaphore(proc: ProcessReport, task: TaskWait) -> bool:
 
 def _cannot_release(proc: ProcessReport, task: TaskWait, waiting: set[tuple[int, int]]) -> bool:
     """A thread that will not release the semaphore: it waits in acquire itself, or waits for
-    a child's or a thread's end without holding an acquire in its frames."""
+    a child's or a thread's end, or for what only the waiters send (a DataLoader waiting for
+    its workers' batches), without holding an acquire in its frames."""
     if (proc.pid, task.tid) in waiting:
         return True
+    thread = task_thread(proc, task)
+    frames = thread.frames if thread is not None else []
+    if (
+        frames
+        and all(is_library(f) for f in frames)
+        and any(in_file(f, "multiprocessing/queues.py", "_feed") for f in frames)
+    ):
+        return True  # a Queue's feeder thread pickles and writes: it releases nothing
     if proc.busy or wait_kind(proc, task) in ("running", "sleeping", "stopped", "unknown"):
         return False
-    thread = task_thread(proc, task)
     joining = joins(proc, task) or (
         thread is not None
         and bool(thread.frames)
         and in_file(thread.frames[min(1, len(thread.frames) - 1)], "threading.py", "join")
     )
-    return joining and not holds_an_acquire(thread)
+    senders = {e.pid for e in task.waits_for} - {proc.pid}
+    on_waiters = bool(senders) and senders <= {pid for pid, _ in waiting}
+    return (joining or on_waiters) and not holds_an_acquire(thread)
 
 
 def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
@@ -156,6 +167,23 @@ def _created_as(name: str, procs: list[ProcessReport]) -> tuple[Frame, str] | No
     return next(iter(found.values())) if len(found) == 1 else None
 
 
+def _held_below(waiters: list[tuple[ProcessReport, TaskWait, str, Frame]]) -> str:
+    """`` DataLoader worker 0/2 (pid 7) holds a slot itself, lower in its own stack: line 23,
+    `self.slots.acquire()` ...``: a waiter whose outer frame took the same semaphore and has not
+    released it (a retry or a recursion that acquires again), in words; empty when none."""
+    said = []
+    for proc, task, name, _ in waiters:
+        held = acquire_held(task_thread(proc, task))
+        if held is None or name not in held.line:
+            continue
+        said.append(
+            f"{who(proc)} holds a slot itself, lower in its own stack: line {held.lineno}, "
+            f"`{code(held.line)}`, in {held.name}, which called this acquire again before "
+            "releasing it"
+        )
+    return (" " + "; ".join(said) + ".") if said else ""
+
+
 def _leaked_hint(
     procs: list[ProcessReport],
     waiters: list[tuple[ProcessReport, TaskWait, str, Frame]],
@@ -208,7 +236,7 @@ def _leaked_hint(
     text = (
         f"{where} wait{'s' if len(waiters) == 1 else ''} in {name}.acquire(){located(frame)} on "
         f"{what}: {count}, and no live process holds a slot in a way that will release it: "
-        f"{holders}{gone}. Its slots leaked: they were acquired on a path that returned or raised "
+        f"{holders}{gone}.{_held_below(waiters)} Its slots leaked: they were acquired on a path that returned or raised "
         f"without release(). Take it with `with {name}:` (or release it in a finally block), "
         "so that every path gives the slot back."
     )

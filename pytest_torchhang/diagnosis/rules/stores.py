@@ -3,11 +3,17 @@ keys that exist and the closest name."""
 
 from __future__ import annotations
 
+import ast
 import difflib
+import linecache
+import os
 import re
+from dataclasses import dataclass
 
-from ...report.model import Hint, ProcessReport, StoreWait, same_thread
+from ...report.model import FrameArgs, Hint, ProcessReport, StoreWait, same_thread
 from ..frames import (
+    innermost,
+    is_library,
     main_thread,
     pending_collective,
 )
@@ -124,6 +130,10 @@ def _store_hint(
             "prefix (a PrefixStore) or another store."
         )
     others = [p for p in procs if is_rank(p) and p not in group]
+    unshared = key_from_unshared_value(wait.keys, group[0], others)
+    if unshared is not None:
+        text += " " + unshared.words()
+        based.append(unshared.evidence())
     if others:
         text += " Meanwhile " + "; ".join(_where_rank(p, wait.keys) for p in others) + "."
     based += [
@@ -135,3 +145,100 @@ def _store_hint(
         if p.collectives
     ]
     return Hint(text, based, rule="store_key", pids=sorted(p.pid for p in group))
+
+
+# --- a key named from a value the ranks do not share --------------------------------------------
+
+#: What splits a key into the values it was built from (``runs/<run_id>/vocab``).
+_KEY_PARTS = re.compile(r"[/:]")
+#: Parts shorter than this say nothing (``0``, ``a``): many values are that close.
+_MIN_PART = 6
+#: How alike a peer's value and a key's part must be to be the same value made twice.
+_ALIKE = 0.6
+
+
+@dataclass
+class UnsharedValue:
+    """A part of the key one rank waits for, and the local of another rank's own frame that
+    holds a value of the same making but not the same value: each rank made it itself."""
+
+    key: str
+    part: str
+    peer: ProcessReport
+    frame: FrameArgs
+    name: str  # the local's name
+
+    def value(self) -> str:
+        return self.frame.args[self.name]
+
+    def words(self) -> str:
+        place = f"{os.path.basename(self.frame.file)}:{self.frame.line}"
+        return (
+            f"The key is named from a value the ranks do not share: its part {self.part!r} "
+            f"differs from rank {rank_no(self.peer)}'s `{self.name}`, {self.value()} (a local of "
+            f"{self.frame.function} at {place}, read in that rank), so a key rank "
+            f"{rank_no(self.peer)} sets from its own value is another key. A value that names "
+            "a shared key must be made once (in the launcher) and passed to every rank, or "
+            "broadcast from one rank."
+        )
+
+    def evidence(self) -> str:
+        return (
+            f"rank {rank_no(self.peer)} (pid {self.peer.pid}) {self.frame.function}: "
+            f"{self.name} = {self.value()}; the key waited for: {self.key!r}"
+        )
+
+
+def _text_value(value: str) -> str | None:
+    """The string a bounded repr holds (``'abc'`` -> ``abc``); None for any other value."""
+    if len(value) < 2 or value[0] != value[-1] or value[0] not in "'\"":
+        return None
+    try:
+        text = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return None
+    return text if isinstance(text, str) else None
+
+
+def _names_in_waiter(waiter: ProcessReport) -> set[str]:
+    """The identifiers of the waiter's own function, from its ``def`` line down to the line it
+    waits at (the key was made from some of them)."""
+    frame = innermost(waiter, lambda f: not is_library(f))
+    if frame is None:
+        return set()
+    lines = linecache.getlines(frame.filename)[: frame.lineno]
+    names: set[str] = set()
+    for line in reversed(lines):
+        names.update(re.findall(r"[A-Za-z_]\w*", line))
+        if line.lstrip().startswith(("def ", "async def ")):
+            break
+    return names
+
+
+def key_from_unshared_value(
+    keys: list[str], waiter: ProcessReport, peers: list[ProcessReport]
+) -> UnsharedValue | None:
+    """The first part of a waited key that a peer rank holds, in a local of its own frames, as
+    a different value of the same making (same length, mostly the same characters: a timestamp
+    with another random suffix, another host's name), where the waiter's own function names a
+    variable of the same name (the key was made from it there); None when no peer's local is
+    one."""
+    made_from = _names_in_waiter(waiter)
+    for key in keys:
+        parts = [p for p in _KEY_PARTS.split(key) if len(p) >= _MIN_PART]
+        for peer in peers:
+            for frame in (f for f in peer.frame_args if not f.call):
+                for name, raw in frame.args.items():
+                    value = _text_value(raw)
+                    if (
+                        name not in made_from
+                        or value is None
+                        or len(value) < _MIN_PART
+                        or value in key
+                    ):
+                        continue
+                    for part in parts:
+                        alike = difflib.SequenceMatcher(None, part, value).ratio()
+                        if len(part) == len(value) and alike >= _ALIKE:
+                            return UnsharedValue(key, part, peer, frame, name)
+    return None
