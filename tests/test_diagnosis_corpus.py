@@ -72,6 +72,13 @@ LABELS: dict[str, Label] = {
     "test_loading_worker_reads_a_silent_pipe": _label(
         "pipe", "block reading a pipe", "its own copy", role="DataLoader worker 0/1"
     ),
+    "test_loading_workers_leak_the_slots_of_a_shared_semaphore": _label(
+        "leaked_slots",
+        "self.slots.acquire()",
+        "waits in dataloader's _try_get_data",
+        "slots leaked",
+        role="DataLoader worker",
+    ),
     "test_loading_worker_sleeps": _label("sleeper", "sleeps at", role="DataLoader worker 0/1"),
     "test_loading_workers_wait_for_a_multiprocessing_lock_the_parent_holds": _label(
         "deadlock", "multiprocessing Lock.acquire()", role="DataLoader worker"

@@ -75,6 +75,7 @@ CHOSEN = (
     "test_loading_slow_rate_limited_worker",
     "test_loading_worker_opens_a_fifo_nobody_writes",
     "test_loading_batch_that_cannot_be_pickled",
+    "test_loading_workers_leak_the_slots_of_a_shared_semaphore",
     # processes, pipes and queues
     "test_sharing_join_before_draining_a_queue",
     "test_sharing_manager_lock_leaked",

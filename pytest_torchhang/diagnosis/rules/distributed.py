@@ -20,7 +20,7 @@ from ..frames import (
     pending_collective,
 )
 from ..graph import doing, main_task
-from ..peers import differences, lone_root
+from ..peers import PeerDifference, default_group, differences, lone_root
 from ..roles import is_rank, rank_no, role_of, world_size
 from .p2p import RECVS, SENDS, p2p_pair, unmatched_p2p
 
@@ -172,12 +172,34 @@ def with_peer_difference(hint: Hint, ranks: list[ProcessReport]) -> Hint:
             sides.append(f"{shown} on rank {rank_no(by_pid[pid])}")
         parts.append(" vs ".join(sides))
     hint.text = hint.text.rstrip() + f" The arguments differ: {'; '.join(parts)}."
+    hint.text += _groups_apart(found)
     hint.based_on = hint.based_on + [
         f"{d.function} {d.name}: "
         + ", ".join(f"pid {pid} {value}" for pid, value in d.values.items())
         for d in found
     ]
     return hint
+
+
+def _groups_apart(found: list[PeerDifference]) -> str:
+    """`` Each rank waits on a different process group ...``: the ranks are in one collective
+    on different groups, none of them the default one (each group counts its collectives by
+    itself, so each rank waits for the others to enter its group's call); empty otherwise."""
+    groups = next((d for d in found if d.name == "group"), None)
+    if groups is None or any(default_group("group", v) for v in groups.values.values()):
+        return ""
+    if len(set(groups.values.values())) != len(groups.values):
+        return ""
+    members = [re.search(r"ranks=\[([\d, ]*)\]", v) for v in groups.values.values()]
+    if not all(m and len(m.group(1).split(",")) > 1 for m in members):
+        return ""  # a group of one completes alone: not a wait for the others
+    return (
+        f" Each rank waits in {groups.function} on a different process group, and a "
+        "collective completes only when every member of its group enters it on that same "
+        "group: each waits for the others to reach its group's call. The ranks call "
+        "collectives on their groups in a different order (or one skips a group's call): "
+        "make every rank issue them on the groups in one order."
+    )
 
 
 def _user_frame(proc: ProcessReport) -> Frame | None:

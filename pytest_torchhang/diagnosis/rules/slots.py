@@ -71,6 +71,14 @@ def _threading_semaphore(proc: ProcessReport, task: TaskWait) -> bool:
     )
 
 
+#: The library's helper threads, which run none of the user's code: a Queue's feeder thread
+#: (pickles and writes), multiprocessing's resource sharer (serves descriptors it was given).
+_HELPER_THREADS = (
+    ("multiprocessing/queues.py", "_feed"),
+    ("multiprocessing/resource_sharer.py", "_serve"),
+)
+
+
 def _cannot_release(proc: ProcessReport, task: TaskWait, waiting: set[tuple[int, int]]) -> bool:
     """A thread that will not release the semaphore: it waits in acquire itself, or waits for
     a child's or a thread's end, or for what only the waiters send (a DataLoader waiting for
@@ -82,9 +90,9 @@ def _cannot_release(proc: ProcessReport, task: TaskWait, waiting: set[tuple[int,
     if (
         frames
         and all(is_library(f) for f in frames)
-        and any(in_file(f, "multiprocessing/queues.py", "_feed") for f in frames)
+        and any(in_file(f, path, name) for f in frames for path, name in _HELPER_THREADS)
     ):
-        return True  # a Queue's feeder thread pickles and writes: it releases nothing
+        return True  # a library's helper thread: it releases nothing of the user's
     if proc.busy or wait_kind(proc, task) in ("running", "sleeping", "stopped", "unknown"):
         return False
     joining = joins(proc, task) or (
