@@ -17,6 +17,7 @@ from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack
 from ..report.waits import Futex, Socket, WaitEnd, WaitFacts
 from .frames import in_file, is_library, located, main_thread, primitive
 from .graph import SLEEP_CALLS, doing, ignored, task_thread, who
+from .sigterm import sigterm_facts
 from .tracebacks import last_traceback
 
 #: What ends each kind of wait, in the user's terms (by the primitive's label).
@@ -201,6 +202,7 @@ def wait_facts(
         and (p.exit_status or p.stderr_tail)
     ]
     facts.known += _known(proc, thread, name, facts.ends, procs)
+    facts.known += sigterm_facts(proc, task, procs)
     return facts
 
 
