@@ -150,6 +150,12 @@ LABELS: dict[str, Label] = {
         "sleeper", "Popen.communicate()", role="Python child"
     ),
     "test_sharing_the_test_itself_sleeps": _label(""),  # nothing to explain: no hint may fire
+    "test_sharing_output_read_to_its_end_while_a_background_grandchild_holds_it": Label(
+        ("output_held",),
+        ("popen.communicate()", "the pipe's eof", "inherits the child's output pipe"),
+        role="Python child",
+        facts_only=("dead",),
+    ),
     "test_sharing_popen_wait_with_a_full_stdout_pipe": _label(
         "full_pipe",
         "Popen.wait()",

@@ -17,6 +17,7 @@ from .rules.aio import hint_asyncio
 from .rules.beside import hint_beside_idle_services
 from .rules.distributed import hint_collectives, hint_rank_gone
 from .rules.enders import add_signal_enders
+from .rules.eof import hint_output_held
 from .rules.loading import (
     hint_cuda_before_fork,
     hint_openmp_after_fork,
@@ -224,6 +225,7 @@ RULES: tuple[Rule, ...] = (
     hint_openmp_after_fork,
     hint_cuda_before_fork,
     hint_beside_idle_services,
+    hint_output_held,
     hint_sleeper,
     hint_outside,
 )

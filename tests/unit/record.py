@@ -90,6 +90,7 @@ CHOSEN = (
     "test_sharing_join_chain_back_to_the_test",
     "test_sharing_slow_supervisor_polling_healthy_children",
     "test_sharing_popen_wait_with_a_full_stdout_pipe",
+    "test_sharing_output_read_to_its_end_while_a_background_grandchild_holds_it",
     # classes of wait named in the user's words
     "test_waits_semaphore_slots_leak_on_an_early_return",
     "test_waits_threading_semaphore_slots_leak_on_an_early_return",
