@@ -26,6 +26,7 @@ from .rules.loading import (
 )
 from .rules.pipes import hint_fifo, hint_full_pipe, hint_pipe
 from .rules.polling import hint_polling
+from .rules.reaped import hint_status_reaped
 from .rules.sharing import (
     hint_end_marker,
     hint_join_cycle,
@@ -226,6 +227,7 @@ RULES: tuple[Rule, ...] = (
     hint_cuda_before_fork,
     hint_beside_idle_services,
     hint_output_held,
+    hint_status_reaped,
     hint_sleeper,
     hint_outside,
 )
