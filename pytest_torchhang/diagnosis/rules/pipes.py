@@ -3,22 +3,28 @@ opens, a child blocked writing a full pipe that its reader reads only after the 
 
 from __future__ import annotations
 
+import linecache
+import re
+
 from ...report.groups import idle_service
 from ...report.model import Frame, Hint, ProcessReport, TaskWait
 from ...report.waits import (
     CHILD,
     HOLDS_READ_END,
+    HOLDS_WRITE_END,
     Fifo,
     Pipe,
     Socket,
 )
 from ..frames import (
     has_frame,
+    is_library,
     located,
     main_thread,
     primitive,
 )
 from ..graph import (
+    READS,
     WRITES,
     blocked_line,
     chain,
@@ -65,6 +71,47 @@ def _cycle_through(
     return ""
 
 
+def _coprocess(reader: ProcessReport, writers: list[ProcessReport | None]) -> str:
+    """``. The child reads its stdin ... its answer waits in its own output buffer``: the
+    writer is a child blocked reading its stdin, a pipe only the reader writes, so it took all
+    the reader sent and wrote nothing back; empty for any other writer."""
+    for writer in writers:
+        task = main_task(writer) if writer is not None else None
+        if writer is None or task is None or writer.ppid != reader.pid:
+            continue
+        if not isinstance(task.wait, Pipe) or task.wait.fd != 0 or task.call not in READS:
+            continue
+        if {e.pid for e in task.waits_for if e.kind == HOLDS_WRITE_END} != {reader.pid}:
+            continue
+        sent = _wrote_before(reader)
+        return (
+            f". {who(writer)} reads its stdin, a pipe only {who(reader)} writes, and has read "
+            f"all of it (its read is blocked on the empty pipe){sent}, while {who(reader)} "
+            f"reads {who(writer)}'s output: the child took every request and wrote no answer "
+            "into the pipe. Either its program does not answer this input, or its answer "
+            "waits in its own output buffer: a program whose stdout is a pipe block-buffers "
+            "it (C stdio, Python) and writes it only when the buffer fills, it flushes or it "
+            "exits. Make the child flush after each answer (python -u, print(..., "
+            "flush=True), stdbuf -oL), or close its stdin after the last request and read to "
+            "the end"
+        )
+    return ""
+
+
+def _wrote_before(reader: ProcessReport) -> str:
+    """`` after pytest (pid 7) wrote to it at line 16``: a write (and flush) in the reader's
+    own frame, a few lines above the read it waits in."""
+    thread = main_thread(reader)
+    frame = next((f for f in thread.frames if not is_library(f)), None) if thread else None
+    if frame is None:
+        return ""
+    lines = linecache.getlines(frame.filename)
+    for number in range(frame.lineno - 1, max(frame.lineno - 6, 0), -1):
+        if number <= len(lines) and re.search(r"\.(write|send|sendall)\(", lines[number - 1]):
+            return f", after {who(reader)} wrote to it at line {number}"
+    return ""
+
+
 def hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
     """Reads of a pipe or socket whose writers are in the tree and idle: nothing will come."""
     by_pid = {p.pid: p for p in procs}
@@ -95,6 +142,7 @@ def hint_pipe(procs: list[ProcessReport]) -> list[Hint]:
             hits.append(
                 f"{who(proc)} reads {task.obj}{located(frame)}; the other end is held by {ends}"
                 + _cycle_through(procs, proc, writers)
+                + _coprocess(proc, writers)
             )
             based.append(f"{who(proc)} blocked in {task.summary()}")
             based += [f"  {e.via}: pid {e.pid}" for e in task.waits_for]
