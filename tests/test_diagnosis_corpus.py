@@ -92,6 +92,9 @@ LABELS: dict[str, Label] = {
     "test_loading_openmp_in_a_library_op_after_worker_init_raises_threads": _label(
         "openmp_after_fork", "OpenMP after fork", "worker_init_fn", role="DataLoader worker 0/1"
     ),
+    "test_loading_openmp_in_tensor_methods_after_worker_init_raises_threads": _label(
+        "openmp_after_fork", "OpenMP after fork", "worker_init_fn", role="DataLoader worker 0/1"
+    ),
     "test_loading_worker_opens_a_fifo_nobody_writes": _label(
         "fifo",
         "blocked opening the FIFO",

@@ -297,3 +297,22 @@ def test_loading_workers_leak_the_slots_of_a_shared_semaphore():
     slots = FORK.BoundedSemaphore(2)
     for _ in _loader(CappedReads(slots), batch_size=4):
         pass
+
+
+class Spectra(Dataset):
+    def __init__(self):
+        self.wave = torch.randn(400_000, dtype=torch.float64)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        wave = self.wave
+        return wave.float().reshape(400, 1000).abs().mean(dim=1)  # methods of a tensor variable
+
+
+def test_loading_openmp_in_tensor_methods_after_worker_init_raises_threads():
+    torch.set_num_threads(2)
+    torch.randn(400_000, dtype=torch.float64).float()  # starts this process's OpenMP pool
+    for _ in _loader(Spectra(), num_workers=1, worker_init_fn=_two_threads):
+        pass

@@ -72,6 +72,7 @@ CHOSEN = (
     "test_loading_openmp_after_the_parent_ran_ops",
     "test_loading_future_result_after_fork",
     "test_loading_openmp_in_a_library_op_after_worker_init_raises_threads",
+    "test_loading_openmp_in_tensor_methods_after_worker_init_raises_threads",
     "test_loading_slow_rate_limited_worker",
     "test_loading_worker_opens_a_fifo_nobody_writes",
     "test_loading_batch_that_cannot_be_pickled",
