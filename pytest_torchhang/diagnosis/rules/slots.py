@@ -79,10 +79,14 @@ _HELPER_THREADS = (
 )
 
 
-def _cannot_release(proc: ProcessReport, task: TaskWait, waiting: set[tuple[int, int]]) -> bool:
+def _cannot_release(
+    proc: ProcessReport, task: TaskWait, waiting: set[tuple[int, int]], among: set[int]
+) -> bool:
     """A thread that will not release the semaphore: it waits in acquire itself, or waits for
-    a child's or a thread's end, or for what only the waiters send (a DataLoader waiting for
-    its workers' batches), without holding an acquire in its frames."""
+    a child's or a thread's end, or for what only the processes ``among`` send (a DataLoader
+    waiting for its workers' batches, an idle worker waiting for its next index), without
+    holding an acquire in its frames. Asked of every thread of ``among`` (the processes that
+    map the semaphore): when each of them waits only on the others, none can ever release."""
     if (proc.pid, task.tid) in waiting:
         return True
     thread = task_thread(proc, task)
@@ -101,8 +105,8 @@ def _cannot_release(proc: ProcessReport, task: TaskWait, waiting: set[tuple[int,
         and in_file(thread.frames[min(1, len(thread.frames) - 1)], "threading.py", "join")
     )
     senders = {e.pid for e in task.waits_for} - {proc.pid}
-    on_waiters = bool(senders) and senders <= {pid for pid, _ in waiting}
-    return (joining or on_waiters) and not holds_an_acquire(thread)
+    on_sharers = bool(senders) and senders <= among
+    return (joining or on_sharers) and not holds_an_acquire(thread)
 
 
 def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
@@ -131,8 +135,12 @@ def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
             continue
         others = [by_pid[pid] for pid in sorted(sharers) if pid not in {p for p, _ in waiting}]
         mappers = others + list({p.pid: p for p, *_ in waiters}.values())
+        among = {o.pid for o in mappers}
         if not all(
-            _cannot_release(o, t, waiting) for o in mappers for t in o.tasks if not ignored(o, t)
+            _cannot_release(o, t, waiting, among)
+            for o in mappers
+            for t in o.tasks
+            if not ignored(o, t)
         ):
             continue  # a thread that runs, sleeps or may hold a slot could still release it
         hints.append(_leaked_hint(procs, waiters, others, sem))
@@ -147,7 +155,7 @@ def hint_leaked_slots(procs: list[ProcessReport]) -> list[Hint]:
         if not stuck or proc.busy:
             continue
         waiting = {(proc.pid, t.tid) for _, t, _, _ in stuck}
-        if all(_cannot_release(proc, t, waiting) for t in tasks):
+        if all(_cannot_release(proc, t, waiting, {proc.pid}) for t in tasks):
             hints.append(_leaked_hint(procs, stuck, [], None))
     return hints
 
