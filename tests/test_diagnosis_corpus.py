@@ -72,6 +72,13 @@ LABELS: dict[str, Label] = {
     "test_loading_worker_reads_a_silent_pipe": _label(
         "pipe", "block reading a pipe", "its own copy", role="DataLoader worker 0/1"
     ),
+    "test_loading_workers_leak_the_slots_of_a_shared_semaphore": _label(
+        "leaked_slots",
+        "self.slots.acquire()",
+        "waits in dataloader's _try_get_data",
+        "slots leaked",
+        role="DataLoader worker",
+    ),
     "test_loading_worker_sleeps": _label("sleeper", "sleeps at", role="DataLoader worker 0/1"),
     "test_loading_workers_wait_for_a_multiprocessing_lock_the_parent_holds": _label(
         "deadlock", "multiprocessing Lock.acquire()", role="DataLoader worker"
@@ -83,6 +90,9 @@ LABELS: dict[str, Label] = {
         "openmp_after_fork", "OpenMP after fork", role="DataLoader worker 0/1"
     ),
     "test_loading_openmp_in_a_library_op_after_worker_init_raises_threads": _label(
+        "openmp_after_fork", "OpenMP after fork", "worker_init_fn", role="DataLoader worker 0/1"
+    ),
+    "test_loading_openmp_in_tensor_methods_after_worker_init_raises_threads": _label(
         "openmp_after_fork", "OpenMP after fork", "worker_init_fn", role="DataLoader worker 0/1"
     ),
     "test_loading_worker_opens_a_fifo_nobody_writes": _label(
@@ -143,6 +153,12 @@ LABELS: dict[str, Label] = {
         "sleeper", "Popen.communicate()", role="Python child"
     ),
     "test_sharing_the_test_itself_sleeps": _label(""),  # nothing to explain: no hint may fire
+    "test_sharing_output_read_to_its_end_while_a_background_grandchild_holds_it": Label(
+        ("output_held",),
+        ("popen.communicate()", "the pipe's eof", "inherits the child's output pipe"),
+        role="Python child",
+        facts_only=("dead",),
+    ),
     "test_sharing_popen_wait_with_a_full_stdout_pipe": _label(
         "full_pipe",
         "Popen.wait()",
@@ -261,6 +277,26 @@ LABELS: dict[str, Label] = {
         "for the import lock of torchhang_corpus_slow_module_by_name",
         "thread 'late-importer'",
         role="target=_import_by_name",
+    ),
+    # the same classes, where what could end the wait waits for the waiter (issue 28)
+    "test_waits_fork_child_imports_a_module_named_by_a_variable_a_parent_thread_imported": _label(
+        "import_lock_at_fork",
+        "importlib.import_module(name)",
+        "for the import lock of the module that `name` names",
+        "fork copies the lock held but not the thread",
+        role="target=_import_named",
+    ),
+    "test_waits_semaphore_slot_held_by_a_retry_while_the_test_reads_results": Label(
+        ("leaked_slots",),
+        ("slots.acquire()", "holds a slot itself, lower in its own stack", "slots leaked"),
+        role="target=_read_shards",
+        facts_only=("dead",),
+    ),
+    "test_waits_one_end_marker_for_two_consumers_whose_counts_the_test_reads": Label(
+        ("end_marker",),
+        ("if item is none", "connection.recv()", "itself", "one marker per consumer"),
+        role="target=_count_until_the_marker",
+        facts_only=("dead",),
     ),
     # not a leak: the test holds the slot across its join (leaked_slots must stay silent)
     "test_waits_semaphore_held_by_the_test_while_it_joins": _label(
@@ -412,6 +448,23 @@ LABELS: dict[str, Label] = {
             "keys set: 'ready_0', 'ready_1'",
         ),
         role="rank 1/2 (gloo)",
+    ),
+    # what differs between the ranks: a key's part made on each rank, a group made on one
+    "test_distributed_plain_process_rank_waits_for_a_key_named_from_its_own_value": Label(
+        ("store_key", "collectives"),
+        (
+            "rank 1/2 waits in store.get('runs/",
+            "the key is named from a value the ranks do not share",
+            "differs from rank 0/2's `run_name`",
+            "the closest names set: 'runs/",
+        ),
+        role="rank 1/2 (gloo)",
+    ),
+    "test_distributed_plain_process_ranks_build_a_group_on_one_rank_only": _label(
+        "collectives",
+        "new_group() must be called by every rank of the default group",
+        "ranks match groups by how many each created before",
+        role="rank 0/2 (gloo)",
     ),
 }
 

@@ -17,6 +17,8 @@ from ..report.model import Frame, ProcessReport, TaskWait, ThreadStack
 from ..report.waits import Futex, Socket, WaitEnd, WaitFacts
 from .frames import in_file, is_library, located, main_thread, primitive
 from .graph import SLEEP_CALLS, doing, ignored, task_thread, who
+from .sigterm import sigterm_facts
+from .tracebacks import last_traceback
 
 #: What ends each kind of wait, in the user's terms (by the primitive's label).
 _ENDED_BY: tuple[tuple[str, str], ...] = (
@@ -123,16 +125,28 @@ def _user(thread: ThreadStack) -> Frame | None:
     return next((f for f in thread.frames if not is_library(f)), None)
 
 
+def _exited(proc: ProcessReport, how: str) -> WaitEnd:
+    """An exited process as an end: how it ended, its last stderr lines and, where they hold a
+    traceback, its uncaught exception and where it was raised."""
+    end = WaitEnd(proc.pid, "", who(proc), "exited", how, list(proc.stderr_tail[-4:]))
+    raised = last_traceback(list(proc.stderr_tail))
+    if raised is not None:
+        end.exception, end.raised_in, end.called_by = (
+            raised.exception,
+            raised.raised_in(),
+            raised.called_by(),
+        )
+    return end
+
+
 def _process_end(proc: ProcessReport) -> WaitEnd:
     """What another process (one the wait-for graph names) is doing, or did last."""
     if proc.exit_status:
-        return WaitEnd(
-            proc.pid, "", who(proc), "exited", proc.exit_status, list(proc.stderr_tail[-4:])
-        )
+        return _exited(proc, proc.exit_status)
     if proc.state.startswith("stopped"):
         return WaitEnd(proc.pid, "", who(proc), "stopped", "is stopped")
     if not proc.threads and proc.stderr_tail:  # gone while it was captured: its last words
-        return WaitEnd(proc.pid, "", who(proc), "exited", "ended", list(proc.stderr_tail[-4:]))
+        return _exited(proc, "ended")
     main = main_thread(proc)
     if main is not None and main.frames and in_file(main.frames[0], "/threading.py", "_shutdown"):
         others = [
@@ -188,6 +202,7 @@ def wait_facts(
         and (p.exit_status or p.stderr_tail)
     ]
     facts.known += _known(proc, thread, name, facts.ends, procs)
+    facts.known += sigterm_facts(proc, task, procs)
     return facts
 
 
@@ -298,7 +313,11 @@ def render(facts: WaitFacts, *, head: bool = True) -> str:
     parts = []
     for end in facts.ends:
         line = f"{end.who} {end.where}"
-        if end.last_lines:
+        if end.exception:
+            line += f" with an uncaught {end.exception.split(':', 1)[0]}, raised in {end.raised_in}"
+            line += f" (called by the library's {end.called_by})" if end.called_by else ""
+            line += f": `{end.exception}`"
+        elif end.last_lines:
             line += f" (its last stderr line: `{end.last_lines[-1].strip()}`)"
         parts.append(line)
     sentences = [f"waits in {facts.waits_in}."] if head else []

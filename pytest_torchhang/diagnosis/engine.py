@@ -15,27 +15,28 @@ from .graph import main_task
 from .roles import HELPER_ROLES, is_helper, is_pytest, label_roles, role_of
 from .rules.aio import hint_asyncio
 from .rules.beside import hint_beside_idle_services
-from .rules.distributed import hint_collectives, hint_rank_gone, hint_store_keys
+from .rules.distributed import hint_collectives, hint_rank_gone
 from .rules.enders import add_signal_enders
+from .rules.eof import hint_output_held
 from .rules.loading import (
     hint_cuda_before_fork,
     hint_openmp_after_fork,
     hint_unpicklable_batch,
     hint_worker_lock,
 )
+from .rules.pipes import hint_fifo, hint_full_pipe, hint_pipe
 from .rules.polling import hint_polling
+from .rules.reaped import hint_status_reaped
 from .rules.sharing import (
     hint_end_marker,
-    hint_fifo,
-    hint_full_pipe,
     hint_join_cycle,
-    hint_leaked_slots,
     hint_manager,
-    hint_pipe,
     hint_pool_lost,
     hint_queue_join,
 )
+from .rules.slots import hint_leaked_slots
 from .rules.starting import hint_import_lock_at_fork, hint_still_starting
+from .rules.stores import hint_store_keys
 from .rules.waits import (
     hint_busy,
     hint_dead,
@@ -225,6 +226,8 @@ RULES: tuple[Rule, ...] = (
     hint_openmp_after_fork,
     hint_cuda_before_fork,
     hint_beside_idle_services,
+    hint_output_held,
+    hint_status_reaped,
     hint_sleeper,
     hint_outside,
 )

@@ -278,6 +278,13 @@ class WaitEnd:
     state: str = ""  # "waits", "idle", "exited", "running", "sleeps", "stopped", "itself"
     where: str = ""  # ``Barrier.wait() at x.py:18``, ``exited with code 1``
     last_lines: list[str] = field(default_factory=list)  # an exited one's last stderr lines
+    #: an exited one's uncaught exception, read from the traceback of its stderr: its line
+    #: (``KeyError: 'total'``), the user's frame that raised it (``f at x.py:3``), and the
+    #: library frame that called the user's code (``worker at multiprocessing/pool.py:109, as
+    #: initializer``); empty where its stderr holds no traceback
+    exception: str = ""
+    raised_in: str = ""
+    called_by: str = ""
 
 
 @dataclass

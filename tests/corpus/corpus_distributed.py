@@ -3,6 +3,7 @@
 import fcntl
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -283,3 +284,29 @@ def _sets_late(rank, file_name):
 
 def test_distributed_plain_process_rank_waits_for_a_key_a_computing_rank_sets_later(tmp_path):
     _as_multiprocess_testcase(_sets_late, tmp_path)
+
+
+def _publishes_under_its_own_name(rank, file_name):
+    store = _init_pg(rank, file_name)
+    run_name = f"{socket.gethostname()}-{os.getpid()}"  # each rank names the run itself
+    if rank == 0:
+        store.set(f"runs/{run_name}/config", "{}")
+    else:
+        store.get(f"runs/{run_name}/config")
+    dist.barrier()
+
+
+def test_distributed_plain_process_rank_waits_for_a_key_named_from_its_own_value(tmp_path):
+    _as_multiprocess_testcase(_publishes_under_its_own_name, tmp_path)
+
+
+def _builds_a_group_on_rank_0_only(rank, file_name):
+    _init_pg(rank, file_name)
+    if rank == 0:
+        dist.new_group(ranks=[0])  # only the rank that evaluates builds its group
+    group = dist.new_group(ranks=[0, 1])
+    dist.all_reduce(torch.ones(2), group=group)
+
+
+def test_distributed_plain_process_ranks_build_a_group_on_one_rank_only(tmp_path):
+    _as_multiprocess_testcase(_builds_a_group_on_rank_0_only, tmp_path)

@@ -274,3 +274,45 @@ def test_loading_batch_that_cannot_be_pickled():
     # batch_size=None: no collation, the sample goes to the queue as it is
     for _ in _loader(LockedSamples(), batch_size=None, num_workers=1):
         pass
+
+
+class CappedReads(Dataset):
+    """Reads capped by a semaphore shared by the workers; a missing file leaks its slot."""
+
+    def __init__(self, slots):
+        self.slots = slots
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        self.slots.acquire()
+        if index % 16 == 9:
+            return torch.zeros(2)  # a placeholder for a missing file: the slot is not released
+        self.slots.release()
+        return torch.ones(2)
+
+
+def test_loading_workers_leak_the_slots_of_a_shared_semaphore():
+    slots = FORK.BoundedSemaphore(2)
+    for _ in _loader(CappedReads(slots), batch_size=4):
+        pass
+
+
+class Spectra(Dataset):
+    def __init__(self):
+        self.wave = torch.randn(400_000, dtype=torch.float64)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        wave = self.wave
+        return wave.float().reshape(400, 1000).abs().mean(dim=1)  # methods of a tensor variable
+
+
+def test_loading_openmp_in_tensor_methods_after_worker_init_raises_threads():
+    torch.set_num_threads(2)
+    torch.randn(400_000, dtype=torch.float64).float()  # starts this process's OpenMP pool
+    for _ in _loader(Spectra(), num_workers=1, worker_init_fn=_two_threads):
+        pass

@@ -272,3 +272,17 @@ while any(child.poll() is None for child in children):  # healthy: they compute
 
 def test_sharing_slow_supervisor_polling_healthy_children():
     subprocess.run([sys.executable, "-c", SUPERVISOR], check=True)  # passes, after 30 s
+
+
+#: A launcher that starts a worker in the background and exits at once: the worker inherits
+#: the launcher's stdout, the pipe the test reads to its end.
+LAUNCHER = (
+    "import subprocess, sys\n"
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print('launched')\n"
+)
+
+
+def test_sharing_output_read_to_its_end_while_a_background_grandchild_holds_it():
+    done = subprocess.run([sys.executable, "-c", LAUNCHER], capture_output=True, text=True)
+    assert done.stdout.strip() == "launched"

@@ -225,3 +225,81 @@ def test_waits_semaphore_held_by_the_test_while_it_joins():
         worker = FORK.Process(target=_handle, args=(slots, 1))
         worker.start()
         worker.join()
+
+
+# --- the same classes, where what could end the wait waits for the waiter (issue 28) ---
+
+
+def _import_named(name):
+    importlib.import_module(name)
+
+
+def test_waits_fork_child_imports_a_module_named_by_a_variable_a_parent_thread_imported(tmp_path):
+    name = "torchhang_corpus_gated_module"
+    (tmp_path / "torchhang_corpus_gate.py").write_text(
+        "import threading\nmay_finish = threading.Event()\n"
+    )
+    (tmp_path / f"{name}.py").write_text(
+        "import torchhang_corpus_gate\ntorchhang_corpus_gate.may_finish.wait()\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    gate = importlib.import_module("torchhang_corpus_gate")
+    warmup = threading.Thread(target=_import_named, args=(name,), name="warm-up", daemon=True)
+    warmup.start()
+    time.sleep(0.3)  # the thread now holds the module's import lock
+    child = FORK.Process(target=_import_named, args=(name,))
+    child.start()
+    gate.may_finish.set()  # the parent's import ends; the child's copy of the lock stays held
+    warmup.join()
+    child.join()
+
+
+def _read_shard(slots, shard, results):
+    slots.acquire()
+    try:
+        if shard < 0:
+            raise OSError(f"shard {shard} is unreadable")
+        value = shard * 10
+    except OSError:
+        return _read_shard(slots, -shard, results)  # retried while this frame holds its slot
+    slots.release()
+    results.put(value)
+    return value
+
+
+def _read_shards(slots, shards, results):
+    for shard in shards:
+        _read_shard(slots, shard, results)
+
+
+def test_waits_semaphore_slot_held_by_a_retry_while_the_test_reads_results():
+    slots = FORK.BoundedSemaphore(2)
+    results = FORK.Queue()
+    readers = [
+        FORK.Process(target=_read_shards, args=(slots, [1, -2, 3], results)) for _ in range(2)
+    ]
+    for reader in readers:
+        reader.start()
+    got = [results.get() for _ in range(6)]
+    assert len(got) == 6
+
+
+def _count_until_the_marker(queue, conn):
+    count = 0
+    while True:
+        item = queue.get()
+        if item is None:
+            break
+        count += 1
+    conn.send(count)
+
+
+def test_waits_one_end_marker_for_two_consumers_whose_counts_the_test_reads():
+    queue = FORK.Queue()
+    producer = FORK.Process(target=_produce, args=(queue,))
+    pipes = [FORK.Pipe(duplex=False) for _ in range(2)]
+    consumers = [FORK.Process(target=_count_until_the_marker, args=(queue, w)) for _, w in pipes]
+    for process in [producer, *consumers]:
+        process.start()
+    counts = [r.recv() for r, _ in pipes]
+    assert sum(counts) == 4

@@ -72,9 +72,11 @@ CHOSEN = (
     "test_loading_openmp_after_the_parent_ran_ops",
     "test_loading_future_result_after_fork",
     "test_loading_openmp_in_a_library_op_after_worker_init_raises_threads",
+    "test_loading_openmp_in_tensor_methods_after_worker_init_raises_threads",
     "test_loading_slow_rate_limited_worker",
     "test_loading_worker_opens_a_fifo_nobody_writes",
     "test_loading_batch_that_cannot_be_pickled",
+    "test_loading_workers_leak_the_slots_of_a_shared_semaphore",
     # processes, pipes and queues
     "test_sharing_join_before_draining_a_queue",
     "test_sharing_manager_lock_leaked",
@@ -89,6 +91,7 @@ CHOSEN = (
     "test_sharing_join_chain_back_to_the_test",
     "test_sharing_slow_supervisor_polling_healthy_children",
     "test_sharing_popen_wait_with_a_full_stdout_pipe",
+    "test_sharing_output_read_to_its_end_while_a_background_grandchild_holds_it",
     # classes of wait named in the user's words
     "test_waits_semaphore_slots_leak_on_an_early_return",
     "test_waits_threading_semaphore_slots_leak_on_an_early_return",
@@ -104,6 +107,9 @@ CHOSEN = (
     "test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes",
     "test_waits_fork_child_imports_by_name_a_module_a_parent_thread_was_importing",
     "test_waits_semaphore_held_by_the_test_while_it_joins",
+    "test_waits_fork_child_imports_a_module_named_by_a_variable_a_parent_thread_imported",
+    "test_waits_semaphore_slot_held_by_a_retry_while_the_test_reads_results",
+    "test_waits_one_end_marker_for_two_consumers_whose_counts_the_test_reads",
     # inside multiprocessing's start-up: spawn re-imports the test module, a Pool replaces a worker
     "test_startup_spawned_loader_worker_imports_a_module_that_waits_for_the_tests_lock",
     "test_startup_pool_forks_a_replacement_while_the_test_holds_a_lock",
@@ -133,6 +139,8 @@ CHOSEN = (
     "test_distributed_plain_process_ranks_wait_for_a_store_key_nobody_sets",
     "test_distributed_plain_process_rank_waits_for_its_dataloader_worker",
     "test_distributed_plain_process_rank_waits_for_a_key_a_computing_rank_sets_later",
+    "test_distributed_plain_process_rank_waits_for_a_key_named_from_its_own_value",
+    "test_distributed_plain_process_ranks_build_a_group_on_one_rank_only",
 )
 
 

@@ -410,6 +410,7 @@ def test_still_starting_is_said_only_of_a_process_that_moves_through_its_imports
     child = _blocked_child(report)
     cpu, state, task_state, call, edges = facts
     child.cpu_delta_s, child.state = cpu, state
+    child.motion = None  # the second look's verdict would overrule the facts set here
     child.cpu_s = 0.1  # far below its age: not "mostly running" on its own account
     for task in child.tasks:
         task.state, task.call = task_state, call

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import sysconfig
+from pathlib import Path
 
 import pytest
 
 from pytest_torchhang.capture import motion
 from pytest_torchhang.capture.motion import Look, ThreadLook
 from pytest_torchhang.capture.procfs import TICKS
-from pytest_torchhang.report.model import Frame, HangReport, Motion, ProcessReport
+from pytest_torchhang.report.model import Frame, HangReport, Motion, ProcessReport, ThreadStack
 from pytest_torchhang.report.text import to_text
 
 from .conftest import RECORDED, Replay
@@ -276,5 +277,29 @@ def test_the_polling_rule_is_silent_about_a_loop_without_motion(replay: Replay) 
         if p.stem == "test_waits_polls_with_a_sleep_for_a_file_a_failed_producer_never_writes"
     ]
     report = replay.load(path)
-    assert all(p.motion is None for p in report.processes)
+    for proc in report.processes:  # a report from a capture without its second look
+        proc.motion = None
     assert "polling" not in [h.rule for h in replay.hints(report)]
+
+
+@pytest.mark.parametrize(
+    ("head", "told"),
+    [
+        ("while not os.path.exists(flag):", True),  # a condition it looks at between sleeps
+        ("while True:", False),  # a service's idle loop: no condition to say it polls
+        ("while 1:", False),
+        ("while (True):", False),
+    ],
+)
+def test_a_loop_with_no_condition_is_not_said_to_poll_for_one(
+    head: str, told: bool, tmp_path: Path
+) -> None:
+    from pytest_torchhang.diagnosis.rules.polling import hint_polling
+
+    source = tmp_path / "test_loop.py"
+    source.write_text(f"def serve(flag):\n    {head}\n        time.sleep(1)\n")
+    proc = ProcessReport(7, 1, "child process", "python", "S", 0, 0, 0, 1, 0, "ok")
+    frame = Frame(str(source), 3, "serve", "time.sleep(1)")
+    proc.threads = [ThreadStack("0x1", current=True, frames=[frame])]
+    proc.motion = Motion("polling", 0.5, 0.0, 10, 0, False, 0, "thread 7", [7])
+    assert bool(hint_polling([proc])) is told

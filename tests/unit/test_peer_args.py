@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 import pytest
 
 from pytest_torchhang.diagnosis.peers import PeerDifference, differences, lone_root
-from pytest_torchhang.diagnosis.rules.distributed import p2p_arguments, with_peer_difference
+from pytest_torchhang.diagnosis.rules.distributed import with_peer_difference
+from pytest_torchhang.diagnosis.rules.p2p import p2p_arguments
 from pytest_torchhang.inject.peerargs import (
     MAX_CHARS,
     MAX_ITEMS,
@@ -370,6 +371,25 @@ def test_the_flight_recorders_input_sizes_are_compared_for_one_pending_collectiv
             {"group": "None"},
             " The arguments differ: reduce(group=ProcessGroup(ranks=[0, 1])) on rank 0/2 vs "
             "reduce(group=None) (the default group) on rank 1/2.",
+        ),
+        # two groups over the same ranks: each rank waits for the other on its own group
+        (
+            {"group": "ProcessGroup(ranks=[0, 1], name='1')"},
+            {"group": "ProcessGroup(ranks=[0, 1], name='2')"},
+            " The arguments differ: reduce(group=ProcessGroup(ranks=[0, 1], name='1')) on rank "
+            "0/2 vs reduce(group=ProcessGroup(ranks=[0, 1], name='2')) on rank 1/2. Each rank "
+            "waits in reduce on a different process group, and a collective completes only when "
+            "every member of its group enters it on that same group: each waits for the others "
+            "to reach its group's call. The ranks call collectives on their groups in a "
+            "different order (or one skips a group's call): make every rank issue them on the "
+            "groups in one order.",
+        ),
+        # groups of one rank each complete alone: no wait for the other is said
+        (
+            {"group": "ProcessGroup(ranks=[0], name='1')"},
+            {"group": "ProcessGroup(ranks=[1], name='2')"},
+            " The arguments differ: reduce(group=ProcessGroup(ranks=[0], name='1')) on rank "
+            "0/2 vs reduce(group=ProcessGroup(ranks=[1], name='2')) on rank 1/2.",
         ),
     ],
 )

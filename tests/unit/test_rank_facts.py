@@ -167,7 +167,7 @@ def test_multiprocess_testcase_ranks_are_named_by_their_group_in_the_recordings(
     replay: Replay,
 ) -> None:
     names = [p.stem for p in RECORDED if p.stem.startswith("test_distributed_plain_process")]
-    assert len(names) == 5, names
+    assert len(names) == 7, names
     for name in names:
         report = replay.load(next(p for p in RECORDED if p.stem == name))
         ranks = sorted(

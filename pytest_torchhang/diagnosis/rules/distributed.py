@@ -1,14 +1,12 @@
-"""Rules for ranks of torch.distributed: collectives or send/recv that do not match, ranks gone,
-store keys nobody set."""
+"""Rules for ranks of torch.distributed: collectives that do not match, ranks gone."""
 
 from __future__ import annotations
 
-import difflib
 import linecache
 import os
 import re
 
-from ...report.model import Frame, Hint, ProcessReport, StoreWait, same_thread
+from ...report.model import Frame, Hint, ProcessReport
 from ..frames import (
     RENDEZVOUS,
     collective_of,
@@ -19,12 +17,12 @@ from ..frames import (
     innermost,
     is_library,
     last_completed,
-    main_thread,
     pending_collective,
 )
 from ..graph import doing, main_task
-from ..peers import differences, lone_root, stuck_call
+from ..peers import PeerDifference, default_group, differences, lone_root
 from ..roles import is_rank, rank_no, role_of, world_size
+from .p2p import RECVS, SENDS, p2p_pair, unmatched_p2p
 
 
 def _fr_detail(ranks: list[ProcessReport]) -> str:
@@ -93,8 +91,8 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
             "the ranks launched, a rank that crashed before init, or another store/MASTER_ADDR/"
             "port). Start exactly world_size ranks on one rendezvous."
         )
-    elif _p2p_pair(waiting):
-        text = _unmatched_p2p(ranks, waiting)
+    elif p2p_pair(waiting):
+        text = unmatched_p2p(ranks, waiting)
     elif _same_call(ranks):
         text = _same_call(ranks) + detail
     elif len(set(waiting.values())) > 1:
@@ -123,6 +121,8 @@ def hint_collectives(procs: list[ProcessReport]) -> list[Hint]:
             "the same collective with different arguments: every rank must pass the same root "
             "(src/dst), group and tensor sizes." + detail
         )
+    elif _whole_world(ranks) and all(_making_group(p) for p in ranks):
+        text = _group_made_by_all(ranks) + detail
     elif waiting and len(waiting) < len(ranks):
         if all(p.busy for p in ranks if not where[rank_no(p)]):
             return []  # the others compute, on their way to it or in a loop: the busy rule says
@@ -172,12 +172,34 @@ def with_peer_difference(hint: Hint, ranks: list[ProcessReport]) -> Hint:
             sides.append(f"{shown} on rank {rank_no(by_pid[pid])}")
         parts.append(" vs ".join(sides))
     hint.text = hint.text.rstrip() + f" The arguments differ: {'; '.join(parts)}."
+    hint.text += _groups_apart(found)
     hint.based_on = hint.based_on + [
         f"{d.function} {d.name}: "
         + ", ".join(f"pid {pid} {value}" for pid, value in d.values.items())
         for d in found
     ]
     return hint
+
+
+def _groups_apart(found: list[PeerDifference]) -> str:
+    """`` Each rank waits on a different process group ...``: the ranks are in one collective
+    on different groups, none of them the default one (each group counts its collectives by
+    itself, so each rank waits for the others to enter its group's call); empty otherwise."""
+    groups = next((d for d in found if d.name == "group"), None)
+    if groups is None or any(default_group("group", v) for v in groups.values.values()):
+        return ""
+    if len(set(groups.values.values())) != len(groups.values):
+        return ""
+    members = [re.search(r"ranks=\[([\d, ]*)\]", v) for v in groups.values.values()]
+    if not all(m and len(m.group(1).split(",")) > 1 for m in members):
+        return ""  # a group of one completes alone: not a wait for the others
+    return (
+        f" Each rank waits in {groups.function} on a different process group, and a "
+        "collective completes only when every member of its group enters it on that same "
+        "group: each waits for the others to reach its group's call. The ranks call "
+        "collectives on their groups in a different order (or one skips a group's call): "
+        "make every rank issue them on the groups in one order."
+    )
 
 
 def _user_frame(proc: ProcessReport) -> Frame | None:
@@ -304,7 +326,7 @@ def _same_call(ranks: list[ProcessReport]) -> str:
     keys = {(c.seq, c.name, tuple(map(tuple, c.sizes))) for c in pending.values() if c}
     if len(keys) == 1 and len(ranks) == (world_size(ranks[0]) or len(ranks)):
         ((seq, name, _),) = keys
-        if name in _SENDS | _RECVS:
+        if name in SENDS | RECVS:
             return ""
         return (
             f"every rank waits in the same collective, #{seq} {name}, with the same sizes, and it "
@@ -345,89 +367,6 @@ def _skipped(ranks: list[ProcessReport]) -> str:
     return " ".join(said)
 
 
-#: Point-to-point calls: they pair a sender with one receiver, unlike collectives.
-_SENDS = frozenset(["send", "isend"])
-_RECVS = frozenset(["recv", "irecv"])
-
-
-def _p2p_pair(waiting: dict[str, str]) -> bool:
-    """Every waiting rank is in a send or a recv, and both kinds are there."""
-    calls = set(waiting.values())
-    return (
-        bool(calls) and calls <= _SENDS | _RECVS and bool(calls & _SENDS) and bool(calls & _RECVS)
-    )
-
-
-_KEYWORD = re.compile(r"\b(dst|src|tag|group_dst|group_src)\s*=\s*([^,()]+|\w+\([^()]*\))")
-
-
-def p2p_arguments(proc: ProcessReport, call: str) -> str:
-    """``dst=1, tag=1``: the peer and tag arguments of the user's ``send``/``recv`` call, read
-    from the source line that calls it (gloo's flight recorder keeps no point-to-point entries;
-    the frames' locals are not captured). Empty where the line names none."""
-    captured = _captured_p2p(proc, call)
-    if captured:
-        return captured
-    main = main_thread(proc)
-    frames = main.frames if main else []
-    inner = next(
-        (
-            k
-            for k, f in enumerate(frames)
-            if in_file(f, "torch/distributed/distributed_c10d.py", call)
-        ),
-        None,
-    )
-    if inner is None:
-        return ""
-    caller = next(
-        (
-            f
-            for f in frames[inner + 1 :]
-            if "torch/distributed/" not in f.filename.replace("\\", "/")
-        ),
-        None,
-    )
-    if caller is None or f"{call}(" not in caller.line:
-        return ""
-    args = caller.line.split(f"{call}(", 1)[1]
-    found = {key: value.strip() for key, value in _KEYWORD.findall(args)}
-    if not any(key in found for key in ("dst", "src", "group_dst", "group_src")):
-        positional = [a.strip() for a in args.split(")", 1)[0].split(",")]
-        if len(positional) > 1 and "=" not in positional[1]:  # send(tensor, dst), recv(tensor, src)
-            found = {("dst" if call in _SENDS else "src"): positional[1], **found}
-    return ", ".join(f"{key}={value}" for key, value in found.items())
-
-
-def _captured_p2p(proc: ProcessReport, call: str) -> str:
-    """``dst=1, tag=3``: the peer and tag values the rank's own ``send``/``recv`` frame held at
-    the capture (its listener read them); empty where they were not captured."""
-    frame = stuck_call(proc)
-    if frame is None or frame.function != call:
-        return ""
-    peer = ("dst", "group_dst") if call in _SENDS else ("src", "group_src")
-    names = [next((n for n in peer if frame.args.get(n, "None") != "None"), ""), "tag"]
-    return ", ".join(f"{n}={frame.args[n]}" for n in names if n in frame.args)
-
-
-def _unmatched_p2p(ranks: list[ProcessReport], waiting: dict[str, str]) -> str:
-    """Ranks in send and in recv that do not pair up."""
-    sides = []
-    for proc in ranks:
-        call = waiting.get(rank_no(proc))
-        if call is None:
-            continue
-        args = p2p_arguments(proc, call)
-        sides.append(f"rank {rank_no(proc)} in {call}" + (f" ({args})" if args else ""))
-    return (
-        f"the point-to-point send and recv do not match ({', '.join(sides)}): a send completes "
-        "only once its dst rank posts a recv from that src with the same tag (and a tensor of "
-        "the same size), so each waits for a partner that never comes. These are not collectives: "
-        "check each pair's dst/src ranks, tags and tensor sizes, and that a rank-dependent "
-        "branch did not skip or reorder one side."
-    )
-
-
 def _missing_rank(
     procs: list[ProcessReport],
     ranks: list[ProcessReport],
@@ -456,11 +395,91 @@ def _missing_rank(
                 based.append(f"rank {rank_no(proc)} (pid {proc.pid}) blocked in {task.summary()}")
                 break
     waiting = [c for c in where.values() if c and c not in RENDEZVOUS]
+    making = [p for p in ranks if not where[rank_no(p)] and _making_group(p)]
+    if making and len(making) + len(waiting) == len(ranks):
+        return _group_made_by_some(making, ranks, where) + (
+            f" {'; '.join(cycles)}." if cycles else ""
+        )
     return (
         f"{len(waiting)} rank(s) wait in {_collective_words(waiting[0])} for a rank that is not "
         f"in a collective ({', '.join(missing)}): that rank skipped the call or is stuck before it."
         + (f" {'; '.join(cycles)}." if cycles else "")
     )
+
+
+#: torch.distributed calls that create a process group: every rank of the default group must
+#: enter each of them, in the same order, members of the new group or not.
+GROUP_MAKERS = frozenset(["new_group", "new_subgroups", "new_subgroups_by_enumeration"])
+
+
+def _making_group(proc: ProcessReport) -> str | None:
+    """The group-creating call of torch.distributed the rank's main thread is in."""
+    frame = innermost(
+        proc,
+        lambda f: in_file(f, "torch/distributed/distributed_c10d.py") and f.name in GROUP_MAKERS,
+    )
+    return frame.name if frame else None
+
+
+def _group_made_by_some(
+    making: list[ProcessReport], ranks: list[ProcessReport], where: dict[str, str | None]
+) -> str:
+    """Some ranks create a process group while the others are already in a collective: they
+    did not enter the same group creation (one created a group the others did not)."""
+    in_group = ", ".join(
+        f"rank {rank_no(p)} in {_making_group(p)}() at {_user_line(p)}" for p in making
+    )
+    elsewhere = ", ".join(
+        f"rank {rank_no(p)} in {_collective_words(where[rank_no(p)])}"
+        for p in ranks
+        if where[rank_no(p)]
+    )
+    return (
+        f"ranks are in different calls: {in_group} waits for the other ranks to create the "
+        f"same process group, while {elsewhere} is not in it. new_group() must be called "
+        "by every rank of the default group, in the same order, even by ranks that are not "
+        "members of the new group: ranks match groups by how many each created before. Look "
+        "for a new_group() called on some ranks only (inside a rank-dependent branch) or in a "
+        "different order on each rank."
+    )
+
+
+def _whole_world(ranks: list[ProcessReport]) -> bool:
+    """Every rank of the world is in the report (none missing that could be the one awaited)."""
+    sizes = {world_size(p) for p in ranks}
+    return len(ranks) > 1 and len(sizes) == 1 and sizes == {len(ranks)}
+
+
+def _group_made_by_all(ranks: list[ProcessReport]) -> str:
+    """Every rank waits in a group-creating call that does not complete: the ranks do not
+    agree on which group it is; the groups each rank ran collectives on, as the flight
+    recorders say."""
+    calls = ", ".join(f"rank {rank_no(p)} at {_user_line(p)}" for p in ranks)
+    used = {rank_no(p): sorted({c.group for c in p.collectives if c.group}) for p in ranks}
+    differ = ""
+    if len({tuple(g) for g in used.values()}) > 1:
+        differ = (
+            " Their flight recorders differ in the groups they ran collectives on: "
+            + "; ".join(
+                f"rank {r} on {len(g)} group{'s' if len(g) != 1 else ''} ({', '.join(g)})"
+                for r, g in used.items()
+            )
+            + "."
+        )
+    return (
+        f"every rank waits in {_making_group(ranks[0])}() ({calls}), and the group is never "
+        "made: a sign that the ranks do not agree on which group it is. new_group() must be "
+        "called by every rank of the default group, in the same order, even by ranks that are "
+        f"not members of the new group: ranks match groups by how many each created before.{differ}"
+        " Look for a new_group() called on some ranks only (inside a rank-dependent branch) or "
+        "in a different order on each rank."
+    )
+
+
+def _user_line(proc: ProcessReport) -> str:
+    """``x.py:46``: the user's frame the rank waits from."""
+    frame = _user_frame(proc)
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame else "its frame"
 
 
 def _waits_on_helper(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> str:
@@ -505,126 +524,3 @@ def hint_rank_gone(procs: list[ProcessReport]) -> list[Hint]:
             pids=sorted({p.pid for p in waiting}),
         )
     ]
-
-
-# --- store keys -------------------------------------------------------------------------------
-
-#: Keys a process group keeps in the store it was given (gloo's connection keys under the
-#: group's number, ``0//cpu//0/1``): not the user's, so neither listed nor matched.
-_GROUP_KEY = re.compile(r"^\d+/")
-#: Keys named per store wait, and the closest names offered.
-_MAX_KEYS_NAMED = 8
-
-
-def _user_keys(keys: list[str]) -> tuple[list[str], int]:
-    """The store's keys a user set, and how many the process groups keep there."""
-    own = sorted(k for k in keys if not _GROUP_KEY.match(k))
-    return own, len(keys) - len(own)
-
-
-def _quoted(keys: list[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_MAX_KEYS_NAMED])
-    return shown + (
-        f" and {len(keys) - _MAX_KEYS_NAMED} more" if len(keys) > _MAX_KEYS_NAMED else ""
-    )
-
-
-def _main_store_wait(proc: ProcessReport) -> StoreWait | None:
-    """The store wait of the process's main thread, else its first."""
-    main = main_thread(proc)
-    ident = main.ident if main is not None else ""
-    for wait in proc.store_waits:
-        if same_thread(wait.thread, ident):
-            return wait
-    return proc.store_waits[0] if proc.store_waits else None
-
-
-def _where_rank(proc: ProcessReport, keys: list[str]) -> str:
-    """``rank 0/2 is at collective #2 barrier``: where another rank is, in one phrase."""
-    who = f"rank {rank_no(proc)}" if is_rank(proc) else f"pid {proc.pid}"
-    if proc.exit_status:
-        return f"{who} {proc.exit_status}"
-    wait = _main_store_wait(proc)
-    if wait is not None:
-        same = wait.keys == keys
-        return f"{who} waits in {wait.call()}" + (" too" if same else "")
-    pending = pending_collective(proc)
-    if pending is not None:
-        return f"{who} is at collective {pending.label()}"
-    return f"{who} {doing(proc)}"
-
-
-def hint_store_keys(procs: list[ProcessReport]) -> list[Hint]:
-    """Ranks that wait in ``store.get``/``store.wait`` for a key: the key, whether the store
-    holds it (a FileStore's file is read), the closest name it holds, and where the other ranks
-    are (their store waits, flight recorders and waits)."""
-    waiting = [p for p in procs if not p.exit_status and _main_store_wait(p) is not None]
-    if not waiting:
-        return []
-    if any(p.busy and p not in waiting for p in procs if is_rank(p) and not p.exit_status):
-        return []  # a rank still computes: it may yet set the key (the busy rule says so)
-    by_key: dict[tuple[tuple[str, ...], str], list[ProcessReport]] = {}
-    for proc in waiting:
-        wait = _main_store_wait(proc)
-        assert wait is not None
-        by_key.setdefault((tuple(wait.keys), wait.where()), []).append(proc)
-    out = []
-    for (_keys, _where), group in by_key.items():
-        group.sort(key=lambda p: (role_of(p).rank is None, role_of(p).rank or 0, p.pid))
-        wait = _main_store_wait(group[0])
-        assert wait is not None
-        out.append(_store_hint(procs, group, wait))
-    return out
-
-
-def _store_hint(
-    procs: list[ProcessReport],
-    group: list[ProcessReport],
-    wait: StoreWait,
-) -> Hint:
-    names = " and ".join(f"rank {rank_no(p)}" if is_rank(p) else f"pid {p.pid}" for p in group)
-    verb = "wait" if len(group) > 1 else "waits"
-    head = f"{names} {verb} in {wait.call()} on {wait.where()}"
-    missing = wait.missing()
-    based = [
-        f"{p.role} (pid {p.pid}): {w.call()} on {w.where()}, waiting for {w.waited_s:.1f}s"
-        for p in group
-        if (w := _main_store_wait(p)) is not None
-    ]
-    if wait.keys_set is None:
-        text = (
-            f"{head}; whether any process set {_quoted(wait.keys)} is not known "
-            f"({wait.keys_note or 'the store was not read'})."
-        )
-    elif missing:
-        user, own = _user_keys(wait.keys_set)
-        held = f"keys set: {_quoted(user)}" if user else "no key of the user's is set"
-        if own:
-            held += f" (and {own} of the process groups' own)"
-        close = sorted(
-            {c for key in missing for c in difflib.get_close_matches(key, user, n=2, cutoff=0.6)}
-        )
-        closest = f"; the closest names set: {_quoted(close)}" if close else ""
-        text = (
-            f"{head}: no process set {_quoted(missing)}; {held}{closest}. A key is found only "
-            "under the exact name it was set with: check the name on both sides (an off-by-one "
-            "rank, a missing prefix) and that the process that should set it gets to its set()."
-        )
-        based.append(f"{wait.where()} holds: {_quoted(wait.keys_set)}")
-    else:
-        text = (
-            f"{head}, and the store holds a key of that name: the wait may be under another "
-            "prefix (a PrefixStore) or another store."
-        )
-    others = [p for p in procs if is_rank(p) and p not in group]
-    if others:
-        text += " Meanwhile " + "; ".join(_where_rank(p, wait.keys) for p in others) + "."
-    based += [
-        f"rank {rank_no(p)} (pid {p.pid}) flight recorder: "
-        + ", ".join(
-            f"{c.label()} {'completed' if c.completed else 'pending'}" for c in p.collectives[-3:]
-        )
-        for p in others
-        if p.collectives
-    ]
-    return Hint(text, based, rule="store_key", pids=sorted(p.pid for p in group))

@@ -84,7 +84,10 @@ def _openmp_hit(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> str:
         return ""
     if any(call in line for call in _BLOCKING_CALLS):
         return ""
-    strict = is_worker(proc)  # their own loop sets 1 thread
+    # a DataLoader worker's own loop sets 1 thread: a call on a tensor variable is telling
+    # there only when a native thread (no Python stack: an OpenMP pool's) waits beside it
+    native = len(proc.tasks) > len(proc.threads)
+    strict = is_worker(proc) and not native
     if not ("torch" in line or "@" in line or (not strict and "." in line)):
         return ""
     threads = (

@@ -29,6 +29,10 @@ def polls(proc: ProcessReport) -> bool:
 _SUPERVISES = re.compile(r"\b(exitcode|returncode|is_alive|join)\b")
 
 
+#: A loop with no condition: it looks at nothing between its sleeps (a server's idle loop).
+_FOREVER = re.compile(r"^while\s*\(?\s*(True|1)\s*\)?\s*:")
+
+
 def _loop(proc: ProcessReport) -> tuple[str, Frame] | None:
     """(what the loop reads, in words, or ""; the ``while`` line of the user's loop) of a
     polling process; None when the poll is not a loop of the user's code (a library's own
@@ -46,6 +50,8 @@ def _loop(proc: ProcessReport) -> tuple[str, Frame] | None:
         found = ("", head)
     if _SUPERVISES.search(found[1].line):
         return None
+    if not found[0] and _FOREVER.match(found[1].line):
+        return None  # `while True:` with a sleep: a service's loop, it polls no condition
     return found
 
 

@@ -17,6 +17,9 @@ _IMPORT = re.compile(
     r"^\s*(?:import\s+([\w.]+)|from\s+([\w.]+)\s+import\b)"
     r"|\b(?:import_module|__import__)\(\s*['\"]([\w.]+)['\"]"
 )
+#: ``importlib.import_module(self.codec_name)``: the module is named by an expression, whose
+#: value the stack does not hold (the frozen importlib frames' arguments are not captured)
+_IMPORT_BY_NAME = re.compile(r"\b(?:import_module|__import__)\(\s*([\w.\[\]'\"]+)\s*[,)]")
 
 
 def _import_frame(frames: list[Frame]) -> Frame | None:
@@ -49,21 +52,28 @@ def _import_at_fork(proc: ProcessReport, by_pid: dict[int, ProcessReport]) -> _I
     if main is None or not main.frames or task is None or proc.busy:
         return None
     frame = _import_frame(main.frames)
-    match = _IMPORT.search(frame.line) if frame else None
-    if frame is None or not match or not isinstance(task.wait, Futex) or not task.wait.private:
+    if frame is None or not isinstance(task.wait, Futex) or not task.wait.private:
+        return None
+    match = _IMPORT.search(frame.line)
+    named = _IMPORT_BY_NAME.search(frame.line)
+    if match:
+        module = match.group(1) or match.group(2) or match.group(3)
+    elif named:
+        module = f"the module that `{named.group(1)}` names"
+    else:
         return None
     if not any(e.kind == NOBODY for e in task.waits_for):
         return None  # another thread of the child may hold it: another story
     parent = fork_parent(proc, by_pid)
     if parent is None and not is_worker(proc):
         return None
-    return _ImportAtFork(match.group(1) or match.group(2) or match.group(3), parent, frame, task)
+    return _ImportAtFork(module, parent, frame, task)
 
 
 def _importer(parent: ProcessReport | None, module: str) -> str:
     """The thread of ``parent`` that runs the module's top-level code, in words."""
-    if parent is None:
-        return ""
+    if parent is None or " " in module:
+        return ""  # a module named by an expression: its file is not known
     tail = module.replace(".", "/")
     for thread in parent.threads:
         for frame in thread.frames:
