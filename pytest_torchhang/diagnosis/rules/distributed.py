@@ -23,6 +23,7 @@ from ..graph import doing, main_task
 from ..peers import PeerDifference, default_group, differences, lone_root
 from ..roles import is_rank, rank_no, role_of, world_size
 from .p2p import RECVS, SENDS, p2p_pair, unmatched_p2p
+from .stores import recorder_evidence
 
 
 def _fr_detail(ranks: list[ProcessReport]) -> str:
@@ -56,14 +57,7 @@ def _evidence(ranks: list[ProcessReport], where: dict[str, str | None]) -> list[
         + (_collective_words(where[rank_no(p)]) if where[rank_no(p)] else p.stuck_at)
         for p in ranks
     ]
-    based += [
-        f"rank {rank_no(p)} (pid {p.pid}) flight recorder: "
-        + ", ".join(
-            f"{c.label()} {'completed' if c.completed else 'pending'}" for c in p.collectives[-3:]
-        )
-        for p in ranks
-        if p.collectives
-    ]
+    based += recorder_evidence(ranks)
     return based
 
 

@@ -136,14 +136,7 @@ def _store_hint(
         based.append(unshared.evidence())
     if others:
         text += " Meanwhile " + "; ".join(_where_rank(p, wait.keys) for p in others) + "."
-    based += [
-        f"rank {rank_no(p)} (pid {p.pid}) flight recorder: "
-        + ", ".join(
-            f"{c.label()} {'completed' if c.completed else 'pending'}" for c in p.collectives[-3:]
-        )
-        for p in others
-        if p.collectives
-    ]
+    based += recorder_evidence(others)
     return Hint(text, based, rule="store_key", pids=sorted(p.pid for p in group))
 
 
@@ -242,3 +235,15 @@ def key_from_unshared_value(
                         if len(part) == len(value) and alike >= _ALIKE:
                             return UnsharedValue(key, part, peer, frame, name)
     return None
+
+
+def recorder_evidence(ranks: list[ProcessReport]) -> list[str]:
+    """Each rank's last three recorded collectives, as evidence lines."""
+    return [
+        f"rank {rank_no(p)} (pid {p.pid}) flight recorder: "
+        + ", ".join(
+            f"{c.label()} {'completed' if c.completed else 'pending'}" for c in p.collectives[-3:]
+        )
+        for p in ranks
+        if p.collectives
+    ]
