@@ -22,6 +22,7 @@ from collections.abc import Callable
 from types import FrameType, ModuleType
 from typing import Any, ClassVar, TypeVar
 
+from . import clock
 from .inject import hook, protocol
 from .inject.protocol import INTERRUPT_SIGNAL as INTERRUPT_SIGNAL
 
@@ -156,12 +157,36 @@ def ask_main_thread(question: Callable[[], T], wait_s: float) -> tuple[bool, T |
         try:
             signal.pthread_kill(main, INTERRUPT_SIGNAL)
             if answered.wait(wait_s) and box:
+                _back_to_its_wait(threading.main_thread().native_id)
                 return True, box[0]  # type: ignore[return-value]
             return False, None
         except (OSError, ValueError):
             return False, None
         finally:
             _Question.pending = None  # an answer after this goes into this question's box
+
+
+#: After it answered, the main thread is given this long to go back into the call the signal
+#: interrupted: a capture that reads its state meanwhile would see it running, not blocked.
+SETTLE_S = 0.3
+
+
+def _back_to_its_wait(tid: int | None) -> None:
+    """Until thread ``tid`` of this process is no longer running (back in its blocking call,
+    which the interrupt's handler left), at most ``SETTLE_S``; a thread that computes stays
+    running, and costs that much."""
+    if tid is None:
+        return
+    until = clock.monotonic() + SETTLE_S
+    while clock.monotonic() < until:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                state = f.read(4096).rpartition(b")")[2].split()[:1]
+        except OSError:
+            return
+        if state != [b"R"]:
+            return
+        clock.sleep(0.002)
 
 
 def main_thread_trace() -> tuple[bool, object]:
