@@ -14,7 +14,7 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .imports import C10D, after_import
+from .imports import C10D, after_import, sibling
 from .protocol import (
     DUMP_DIR_ENV,
     DUMP_SIGNAL,
@@ -236,32 +236,12 @@ _FR_KEYS = (
 )
 
 
-def _sibling(name: str) -> Any:
-    """``pytest_torchhang.inject.<name>``, loaded by path as the start-up hook loads this module
-    (importing the package would need pytest); the loaded one when there is one."""
-    import sys
-
-    full = f"pytest_torchhang.inject.{name}"
-    module = sys.modules.get(full)
-    if module is None:
-        import importlib.util
-
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-        spec = importlib.util.spec_from_file_location(full, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"no {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module
-        spec.loader.exec_module(module)
-    return module
-
-
 def _dump_collectives(out_path: str, since_ns: int) -> None:
     import json
     import pickle
 
     try:  # the rank's role and store waits, read now: they hold whatever the entries hold
-        facts: dict[str, object] = _sibling("ranks").rank_facts()
+        facts: dict[str, object] = sibling("ranks").rank_facts()
     except Exception as exc:
         facts = {"errors": [f"{type(exc).__name__}: {exc}"]}
     try:
@@ -363,7 +343,7 @@ def _wrap_init(module: object) -> None:
     init_process_group._torch_hang_wrapped = True  # type: ignore[attr-defined]
     module.init_process_group = init_process_group  # type: ignore[attr-defined]
     try:  # the key a rank waits for in store.get/wait, for its hang report
-        _sibling("ranks").wrap_stores()
+        sibling("ranks").wrap_stores()
     except Exception as exc:
         child_note(
             f"pytest-torchhang could not record the store keys pid {os.getpid()} waits for: "

@@ -112,3 +112,22 @@ class _Finder:
             return spec
         spec.loader = _PatchingLoader(spec.loader, name)
         return spec
+
+
+def sibling(name: str) -> ModuleType:
+    """``pytest_torchhang.inject.<name>``, loaded by path as the start-up hook loads this package's
+    modules (importing the package would need pytest); the loaded one when there is one."""
+    import importlib.util
+    import os
+
+    full = f"pytest_torchhang.inject.{name}"
+    module = sys.modules.get(full)
+    if module is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(full, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+    return module

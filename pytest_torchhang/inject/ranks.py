@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from .imports import sibling
+
 #: A duration's clock, bound at import: out of reach of a test that patches ``time``.
 _now = functools.partial(time.clock_gettime, time.CLOCK_MONOTONIC)
 
@@ -119,25 +121,6 @@ def _store_waits() -> list[dict[str, Any]]:
     return out
 
 
-def _sibling_peerargs() -> Any:
-    """``inject/peerargs.py``, loaded as ``hook._sibling`` loads this module (by path, when the
-    package is not imported in this process)."""
-    full = "pytest_torchhang.inject.peerargs"
-    module = sys.modules.get(full)
-    if module is None:
-        import importlib.util
-        import os
-
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peerargs.py")
-        spec = importlib.util.spec_from_file_location(full, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"no {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module
-        spec.loader.exec_module(module)
-    return module
-
-
 def rank_facts() -> dict[str, Any]:
     """This process's role as a rank (``Role`` fields), its threads' store waits and the
     arguments of the ``torch.distributed`` calls they are in, as JSON-ready
@@ -155,7 +138,7 @@ def rank_facts() -> dict[str, Any]:
     except Exception as exc:
         errors.append(f"store waits: {type(exc).__name__}: {exc}")
     try:  # the arguments of the call each thread is stuck in, to compare with the peers'
-        out["frame_args"] = _sibling_peerargs().stuck_frames()
+        out["frame_args"] = sibling("peerargs").stuck_frames()
     except Exception as exc:
         errors.append(f"stuck calls' arguments: {type(exc).__name__}: {exc}")
     if errors:
